@@ -1,0 +1,1 @@
+"""Adapters: named implementations and ``module:Class`` resolution."""

@@ -1,0 +1,87 @@
+"""KV blocks: refcounts, a content index (hash chain of full blocks, token
+tuples for the tail) and LRU eviction of free cached blocks."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+ROOT = 0  # chain key of the empty prefix
+
+
+def chain(parent: int, block_tokens: tuple[int, ...]) -> int:
+    """Content hash of a prefix, built block by block (as vLLM's block hashes)."""
+    return hash((parent, block_tokens))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int):
+        self.ref = [0] * num_blocks
+        # Free blocks, least recently freed first.  Uncached free blocks are
+        # handed out before cached ones so cached content lives longest.
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # parent chain key -> {block tokens (B or fewer) -> block}
+        self.children: dict[int, dict[tuple[int, ...], int]] = {}
+        # block -> (parent key, block tokens, whole prefix through the block)
+        self.meta: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
+
+    # -- allocation ----------------------------------------------------------------
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> int | None:
+        if not self.free:
+            return None
+        block, _ = self.free.popitem(last=False)
+        self.unregister(block)
+        self.ref[block] = 1
+        return block
+
+    def acquire(self, block: int) -> None:
+        """Take a reference on a block found in the cache."""
+        self.ref[block] += 1
+        self.free.pop(block, None)
+
+    def release(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] < 0:
+            raise AssertionError(f"block {block} released below zero")
+        if self.ref[block] == 0:
+            self.free[block] = None
+            if block not in self.meta:  # nothing worth keeping: reuse first
+                self.free.move_to_end(block, last=False)
+
+    # -- content index -------------------------------------------------------------
+    def register(self, parent: int, block_tokens: tuple[int, ...], prefix: tuple[int, ...], block: int) -> None:
+        kids = self.children.setdefault(parent, {})
+        if block_tokens in kids or block in self.meta:
+            return  # the same content is cached already (or this block is)
+        kids[block_tokens] = block
+        self.meta[block] = (parent, block_tokens, prefix)
+
+    def unregister(self, block: int) -> None:
+        entry = self.meta.pop(block, None)
+        if entry is not None:
+            parent, block_tokens, _ = entry
+            kids = self.children.get(parent, {})
+            if kids.get(block_tokens) == block:
+                del kids[block_tokens]
+
+    def lookup(self, parent: int, block_tokens: tuple[int, ...]) -> tuple[int | None, int]:
+        """The cached block under ``parent`` sharing the longest prefix with
+        ``block_tokens``, and the length of that common prefix."""
+        kids = self.children.get(parent)
+        if not kids:
+            return None, 0
+        exact = kids.get(block_tokens)
+        if exact is not None:
+            return exact, len(block_tokens)
+        best, best_len = None, 0
+        for cached, block in kids.items():
+            n = 0
+            for a, b in zip(cached, block_tokens):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = block, n
+        return best, best_len

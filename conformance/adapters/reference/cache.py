@@ -1,0 +1,268 @@
+"""The reference hybrid cache: a correct implementation of the contract.
+
+Attention KV lives in paged blocks matched token by token (a hit may end inside
+a block); recurrent states are reusable only where a snapshot was registered.
+Both groups are reconciled to one prefix length: the longest position p that
+the KV covers *and* at which a snapshot exists.  Chunks are cut at checkpoints
+so that every snapshot is a step's final state, registered in place; the
+request then moves on with copy-before-extend.
+
+Each decision lives in a small method so that a mutant (``fault_injection``)
+can override exactly one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...contract import (FRESH, RESUME, CachedKV, CachedState, CacheView, ImplConfig, Layout, Request,
+                         RequestStep, StateInit, StepPlan, StepResult, copy_from)
+from .block_pool import ROOT, BlockPool, chain
+from .policy import RetentionPolicy
+from .state_pool import StatePool
+
+
+@dataclass
+class _Req:
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    max_new: int
+    generated: int = 0
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    slot: int | None = None
+    init: StateInit = FRESH
+    pins: list[tuple[str, int]] = field(default_factory=list)  # held until the step ran
+
+
+@dataclass
+class Match:
+    """A prefix hit: ``length`` tokens reused, KV from ``blocks``, state from ``slot``."""
+
+    length: int
+    blocks: list[int]
+    slot: int | None
+
+
+class ReferenceCache:
+    name = "reference"
+    version = "1.0"
+
+    def __init__(self, config: ImplConfig | None = None):
+        config = config or ImplConfig()
+        self.config = config
+        self.B = config.block_size
+        self.policy = RetentionPolicy.from_options(config.options, self.B)
+        self.kv = BlockPool(config.num_kv_blocks)
+        self.states = StatePool(config.num_state_slots)
+        self.waiting: list[_Req] = []
+        self.running: list[_Req] = []
+        self.stats = {"lookups": 0, "hit_tokens": 0, "snapshots": 0}
+
+    # -- contract ------------------------------------------------------------------
+    def layout(self) -> Layout:
+        return Layout(self.B, self.config.num_kv_blocks, self.config.num_state_slots)
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(_Req(request.request_id, list(request.prompt), len(request.prompt),
+                                 request.max_new_tokens))
+
+    def schedule(self, budget: int) -> StepPlan:
+        steps, kv_copies = [], []
+        for req in list(self.waiting):
+            if self._admit(req, kv_copies):
+                self.waiting.remove(req)
+                self.running.append(req)
+        for req in self.running:
+            if budget <= 0:
+                break
+            step = self._plan_request(req, budget)
+            if step is not None:
+                steps.append(step)
+                budget -= step.end - step.start
+        return StepPlan(requests=tuple(steps), kv_copies=tuple(kv_copies))
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[str]:
+        finished = []
+        for step in plan.requests:
+            req = self._find(step.request_id)
+            req.computed = step.end
+            self._unpin(req)
+            self._register_blocks(req)
+            if self.policy.is_checkpoint(step.end, req.prompt_len, self.B):
+                self._register_snapshot(req)
+            if step.request_id in result.sampled:
+                req.tokens.append(result.sampled[step.request_id])
+                req.generated += 1
+                if req.generated >= req.max_new:
+                    self._finish(req)
+                    finished.append(req.request_id)
+        return finished
+
+    def abort(self, request_id: str) -> None:
+        req = self._find(request_id)
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        self._unpin(req)
+        self._free(req)
+
+    def view(self) -> CacheView:
+        return CacheView(
+            kv_refcounts=dict(enumerate(self.kv.ref)),
+            state_refcounts=dict(enumerate(self.states.ref)),
+            cached_kv=tuple(CachedKV(b, prefix) for b, (_, _, prefix) in self.kv.meta.items()),
+            cached_states=tuple(CachedState(s, prefix) for s, prefix in self.states.snap.items()),
+            running=tuple(r.request_id for r in self.running))
+
+    # -- admission: prefix match and reconciliation ----------------------------------
+    def _admit(self, req: _Req, kv_copies: list) -> bool:
+        """Find the reusable prefix, take references, allocate the running slot.
+        References on the hit come first, so the allocations below cannot
+        evict what the request is about to reuse."""
+        match = self._match(req.tokens[: req.prompt_len])
+        for b in match.blocks:
+            self.kv.acquire(b)
+        if match.slot is not None:
+            self.states.acquire(match.slot)
+        own = self.kv.allocate() if match.length % self.B else None
+        slot = self.states.allocate()
+        if slot is None or (match.length % self.B and own is None):
+            for b in match.blocks + ([own] if own is not None else []):
+                self.kv.release(b)
+            for s in (match.slot, slot):
+                if s is not None:
+                    self.states.release(s)
+            return False
+        req.slot = slot
+        if own is not None:
+            # The hit ends inside its last block and the request will write the
+            # rest of that block: it gets a private copy (copy-on-write).
+            kv_copies.append((match.blocks[-1], own))
+            req.pins.append(("kv", match.blocks[-1]))  # released once the copy has run
+            match.blocks[-1] = own
+        req.blocks = match.blocks
+        req.computed = match.length
+        if match.slot is None:
+            req.init = FRESH
+        else:
+            req.pins.append(("state", match.slot))
+            req.init = copy_from(match.slot)
+        self.stats["lookups"] += 1
+        self.stats["hit_tokens"] += match.length
+        return True
+
+    def _match(self, prompt: list[int]) -> Match:
+        kv_len, blocks, keys = self._match_kv(prompt)
+        return self._reconcile(prompt, kv_len, blocks, keys)
+
+    def _match_kv(self, prompt: list[int]) -> tuple[int, list[int], list[int]]:
+        """Longest KV prefix, token by token.  ``keys[i]`` is the chain key of
+        the first i full blocks."""
+        B, parent, n, blocks, keys = self.B, ROOT, 0, [], [ROOT]
+        while n < len(prompt):
+            want = tuple(prompt[n: n + B])
+            block, common = self.kv.lookup(parent, want)
+            if block is None or common == 0:
+                break
+            blocks.append(block)
+            n += common
+            if common < B:
+                break
+            parent = chain(parent, want)
+            keys.append(parent)
+        return n, blocks, keys
+
+    def _reconcile(self, prompt: list[int], kv_len: int, blocks: list[int], keys: list[int]) -> Match:
+        """One prefix length for every group: the longest p <= the KV hit at
+        which a state snapshot exists (at least one token is left to compute)."""
+        for p in range(min(kv_len, len(prompt) - 1), 0, -1):
+            slot = self.states.lookup(tuple(prompt[:p]))
+            if slot is not None:
+                return Match(p, blocks[: -(-p // self.B)], slot)
+        return Match(0, [], None)
+
+    # -- one request's share of a step ------------------------------------------------
+    def _plan_request(self, req: _Req, budget: int) -> RequestStep | None:
+        remaining = len(req.tokens) - req.computed
+        if remaining <= 0:
+            return None
+        n = min(remaining, budget)
+        cut = self.policy.next_checkpoint(req.computed, req.prompt_len, self.B)
+        if cut is not None:
+            n = min(n, cut - req.computed)
+        end = req.computed + n
+        if not self._grow(req, end):
+            return None
+        if req.slot is None:  # the previous slot became a snapshot: copy before extend
+            req.slot = self.states.allocate()
+            if req.slot is None:
+                return None
+        init, req.init = req.init, RESUME
+        return RequestStep(req.request_id, req.computed, end, tuple(req.blocks), req.slot, init)
+
+    def _grow(self, req: _Req, end: int) -> bool:
+        need = -(-end // self.B) - len(req.blocks)
+        if need > self.kv.num_free():
+            return False
+        for _ in range(need):
+            req.blocks.append(self.kv.allocate())
+        return True
+
+    # -- bookkeeping after a step ---------------------------------------------------
+    def _register_blocks(self, req: _Req) -> None:
+        """Full blocks become reusable once completely written."""
+        B, parent = self.B, ROOT
+        for i in range(req.computed // B):
+            tokens = tuple(req.tokens[i * B: (i + 1) * B])
+            self.kv.register(parent, tokens, tuple(req.tokens[: (i + 1) * B]), req.blocks[i])
+            parent = chain(parent, tokens)
+
+    def _register_snapshot(self, req: _Req) -> None:
+        """The running slot holds the state at ``computed``: register it in
+        place, and continue from a copy in a fresh slot next step."""
+        prefix = tuple(req.tokens[: req.computed])
+        if self.states.register(prefix, req.slot):
+            self.stats["snapshots"] += 1
+            # The request's reference becomes a pin until the copy has run.
+            req.pins.append(("state", req.slot))
+            req.init = copy_from(req.slot)
+            req.slot = None
+
+    def _register_tail(self, req: _Req) -> None:
+        """At the end of a request its partly filled last block is reusable too."""
+        B, n = self.B, req.computed
+        if n % B and len(req.blocks) > n // B:
+            parent = ROOT
+            for i in range(n // B):
+                parent = chain(parent, tuple(req.tokens[i * B: (i + 1) * B]))
+            self.kv.register(parent, tuple(req.tokens[n // B * B: n]), tuple(req.tokens[:n]), req.blocks[n // B])
+
+    def _finish(self, req: _Req) -> None:
+        self._register_tail(req)
+        if req.slot is not None:
+            self._register_snapshot(req)
+        self._unpin(req)
+        self._free(req)
+
+    def _free(self, req: _Req) -> None:
+        for b in req.blocks:
+            self.kv.release(b)
+        if req.slot is not None:
+            self.states.release(req.slot)
+        req.blocks, req.slot = [], None
+        if req in self.running:
+            self.running.remove(req)
+
+    def _unpin(self, req: _Req) -> None:
+        for kind, ident in req.pins:
+            (self.kv if kind == "kv" else self.states).release(ident)
+        req.pins = []
+
+    def _find(self, request_id: str) -> _Req:
+        for req in self.running + self.waiting:
+            if req.request_id == request_id:
+                return req
+        raise KeyError(f"unknown request {request_id!r}")
+

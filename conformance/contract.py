@@ -1,0 +1,194 @@
+"""The contract between a hybrid cache implementation and the harness.
+
+The harness owns the model and the physical memory; the implementation owns the
+decisions.  Everything that crosses the boundary is a plain frozen dataclass so
+that it can be recorded in a history, written to a repro file and compared.
+
+One engine step, seen from the implementation:
+
+1. ``schedule(budget)`` returns a :class:`StepPlan`: per request, which token
+   range to compute, the attention block table, the recurrent state slot to
+   extend and where its starting state comes from, snapshots to take, and any
+   block / slot copies to do first.
+2. The harness executes the plan on its memory with the model.  Only what is
+   actually in memory counts: a slot the implementation *says* holds a state
+   is never trusted, the bytes in it are used.
+3. ``update(plan, result)`` tells the implementation which tokens were sampled;
+   it returns the requests that finished (and frees them).
+
+Later extensions (a second storage tier, a prefill and a decode worker with
+their own memory) add optional fields with defaults: ``RequestStep.worker`` and
+``StepPlan.transfers`` already exist for that, so adapters written against this
+version keep working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+#: Positions are token indices.  A *prefix length* p means tokens [0, p).
+
+
+class ContractError(Exception):
+    """An implementation broke the contract (bad ids, impossible ranges...).
+
+    Raised by the harness; it is a conformance failure, not a usage error.
+    """
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the implementation asks the harness to allocate."""
+
+    block_size: int  # tokens per KV block (attention layers)
+    num_kv_blocks: int  # physical KV blocks
+    num_state_slots: int  # physical recurrent state slots (conv + matrix state each)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_kv_blocks < 1 or self.num_state_slots < 1:
+            raise ValueError(f"layout values must be positive: {self}")
+
+
+@dataclass(frozen=True)
+class ImplConfig:
+    """What the harness asks of an implementation when it builds one:
+    ``Class(config)``.  An implementation may round the sizes (it reports what
+    it really uses through :meth:`CacheImplementation.layout`)."""
+
+    block_size: int = 4
+    num_kv_blocks: int = 64
+    num_state_slots: int = 32
+    options: dict = field(default_factory=dict)  # policy knobs, e.g. {"interval": 8}
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request as the harness submits it."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class StateInit:
+    """Where the recurrent state of a step comes from before extending.
+
+    - ``fresh``: zero state (only meaningful when the step starts at 0),
+    - ``resume``: the running slot already holds the state at ``start``,
+    - ``copy``: copy slot ``source`` into the running slot first
+      (copy-before-extend from a snapshot).
+    """
+
+    kind: Literal["fresh", "resume", "copy"]
+    source: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("fresh", "resume", "copy"):
+            raise ValueError(f"unknown StateInit kind {self.kind!r}")
+        if (self.kind == "copy") != (self.source is not None):
+            raise ValueError("StateInit.source is set exactly when kind == 'copy'")
+
+
+FRESH = StateInit("fresh")
+RESUME = StateInit("resume")
+
+
+def copy_from(slot: int) -> StateInit:
+    return StateInit("copy", slot)
+
+
+@dataclass(frozen=True)
+class RequestStep:
+    """What to compute for one request in one step."""
+
+    request_id: str
+    start: int  # first position computed; tokens [0, start) are taken from memory
+    end: int  # exclusive
+    block_table: tuple[int, ...]  # KV blocks for positions [0, end), block i holds [i*B, (i+1)*B)
+    state_slot: int  # running slot that the recurrent layers extend in place
+    state_init: StateInit = RESUME
+    # (position, slot): after computing up to ``position`` (start < position <= end)
+    # copy the running state (conv and matrix parts) into ``slot``.
+    snapshots: tuple[tuple[int, int], ...] = ()
+    worker: str = "main"  # reserved for prefill/decode pairs
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step.  Copies happen before any request is computed."""
+
+    requests: tuple[RequestStep, ...] = ()
+    kv_copies: tuple[tuple[int, int], ...] = ()  # (src block, dst block)
+    state_copies: tuple[tuple[int, int], ...] = ()  # (src slot, dst slot)
+    transfers: tuple = ()  # reserved for tiers / workers
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the harness hands back after executing a plan."""
+
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
+
+
+@dataclass(frozen=True)
+class CachedKV:
+    """A KV block the implementation holds as reusable for ``tokens``.
+
+    ``tokens`` is the whole prefix ending with this block's last valid position,
+    so block ``block`` must hold the KV of positions
+    [len(tokens) - n, len(tokens)) where n = len(tokens) - block_index*B.
+    """
+
+    block: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CachedState:
+    """A recurrent snapshot the implementation holds as the state after ``tokens``."""
+
+    slot: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """The implementation's bookkeeping, as it states it; the harness checks it
+    against memory.  Empty collections are fine for what an implementation
+    does not track."""
+
+    kv_refcounts: dict[int, int] = field(default_factory=dict)  # block -> refcount (0 = free)
+    state_refcounts: dict[int, int] = field(default_factory=dict)  # slot -> refcount
+    cached_kv: tuple[CachedKV, ...] = ()
+    cached_states: tuple[CachedState, ...] = ()
+    running: tuple[str, ...] = ()  # requests that hold memory
+
+
+@runtime_checkable
+class CacheImplementation(Protocol):
+    """What an adapter provides.  See the README, "Writing an adapter"."""
+
+    name: str
+    version: str
+
+    def layout(self) -> Layout: ...
+
+    def add_request(self, request: Request) -> None: ...
+
+    def schedule(self, budget: int) -> StepPlan: ...
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[str]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def view(self) -> CacheView: ...
+
+
+REQUIRED_METHODS = ("layout", "add_request", "schedule", "update", "abort", "view")
+
+
+def missing_methods(obj: object) -> list[str]:
+    """Names of contract methods ``obj`` lacks (used for clear usage errors)."""
+    return [m for m in REQUIRED_METHODS if not callable(getattr(obj, m, None))]

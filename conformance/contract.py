@@ -83,6 +83,9 @@ class StateInit:
 
     kind: Literal["fresh", "resume", "copy"]
     source: int | None = None
+    # Which parts a copy takes.  Engines copy the conv and the matrix state as
+    # separate tensors; forgetting one is a real bug, so it is expressible.
+    parts: tuple[str, ...] = ("conv", "ssm")
 
     def __post_init__(self) -> None:
         if self.kind not in ("fresh", "resume", "copy"):
@@ -95,8 +98,8 @@ FRESH = StateInit("fresh")
 RESUME = StateInit("resume")
 
 
-def copy_from(slot: int) -> StateInit:
-    return StateInit("copy", slot)
+def copy_from(slot: int, parts: tuple[str, ...] = ("conv", "ssm")) -> StateInit:
+    return StateInit("copy", slot, parts)
 
 
 @dataclass(frozen=True)

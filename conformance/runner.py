@@ -62,7 +62,8 @@ class Runner:
         if rs.state_init.kind == "fresh":
             mem.zero_state(rs.state_slot)
         elif rs.state_init.kind == "copy":
-            mem.copy_state(rs.state_init.source, rs.state_slot)
+            parts = rs.state_init.parts
+            mem.copy_state(rs.state_init.source, rs.state_slot, conv="conv" in parts, ssm="ssm" in parts)
         wanted = seq[: rs.start]
         conv_p, ssm_p = mem.state_holds(rs.state_slot)
         bad_kv = mem.kv_holds(rs.block_table, seq, 0, rs.start)

@@ -1,1 +1,44 @@
 """Adapters: named implementations and ``module:Class`` resolution."""
+
+from __future__ import annotations
+
+import importlib
+
+from ..contract import missing_methods
+
+# Named adapters, imported lazily: vLLM is heavy and optional.
+NAMED = {
+    "reference": "conformance.adapters.reference:ReferenceCache",
+    "vllm": "conformance.adapters.vllm:VllmCache",
+}
+ENGINE_LEVEL = {"vllm-engine"}
+
+
+class UsageError(Exception):
+    """Bad input from the user (exit code 2)."""
+
+
+def resolve(spec: str):
+    """``reference``, ``vllm`` or ``module:Class`` -> a factory ``f(ImplConfig)``."""
+    target = NAMED.get(spec, spec)
+    if ":" not in target:
+        raise UsageError(f"--impl {spec!r}: expected one of {', '.join(sorted(NAMED))} or module:Class")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"--impl {spec}: cannot import {module_name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a module that fails on import is a usage problem too
+        raise UsageError(f"--impl {spec}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise UsageError(f"--impl {spec}: {module_name} has no attribute {attr!r}")
+    if not callable(factory):
+        raise UsageError(f"--impl {spec}: {attr} is not callable")
+    if isinstance(factory, type):
+        missing = missing_methods(factory)
+        if missing:
+            raise UsageError(f"--impl {spec}: {attr} does not meet the contract (missing {', '.join(missing)})")
+    return factory

@@ -1,0 +1,77 @@
+"""The checks of the suite: one state machine, configured per family, and the
+coverage each must reach (a run in which a family's situation never occurred
+fails: a check that exercised nothing proves nothing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .contract import ImplConfig
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    id: str
+    family: str
+    description: str
+    rules: frozenset[str]  # optional rules enabled besides submit and drain
+    required: tuple[str, ...]  # coverage counters that must be > 0
+    block_size: int = 4
+    num_kv_blocks: int = 64
+    num_state_slots: int = 24
+    max_prompt_blocks: int = 5
+    max_seq_blocks: int = 12
+    max_active: int = 3
+    max_new_tokens: int = 3
+    options: dict = field(default_factory=dict)
+
+    def impl_config(self, **overrides) -> ImplConfig:
+        base = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
+                "num_state_slots": self.num_state_slots, "options": dict(self.options)}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return ImplConfig(**base)
+
+
+CHECKS: tuple[CheckSpec, ...] = (
+    CheckSpec("mid-block-hits", "mid-block",
+              "prompts cut from shared prefixes at k*B-1, k*B, k*B+1 and mid-block; hits that end inside a block",
+              frozenset({"continue"}), ("prefix_hits", "mid_block_hits")),
+    CheckSpec("multi-turn-replay", "multi-turn",
+              "continuations that replay the previous prompt and output, then add a turn",
+              frozenset({"continue", "step"}), ("multi_turn_hits", "decode_steps")),
+    CheckSpec("chunked-prefill", "chunked-prefill",
+              "per-step token budgets whose chunk ends split blocks, interleaved with other requests",
+              frozenset({"step", "continue"}), ("chunked_prefills", "mid_block_chunk_ends", "prefix_hits")),
+    CheckSpec("eviction-pressure", "eviction",
+              "a small pool: distinct long prompts force cached blocks and snapshots out while others reuse",
+              frozenset({"pressure", "continue", "step"}), ("evictions", "prefix_hits"),
+              num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2),
+    CheckSpec("snapshot-reuse", "snapshot",
+              "recurrent snapshots reused across requests, with aborts and decode in between",
+              frozenset({"abort", "step", "continue"}), ("snapshot_reuse", "aborts")),
+)
+
+MIXED = CheckSpec("mixed", "mixed", "every rule at once", frozenset({"continue", "step", "abort", "pressure"}),
+                  ("prefix_hits",), num_kv_blocks=40, num_state_slots=14)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    examples: int
+    steps: int
+    checks: tuple[CheckSpec, ...]
+
+
+PROFILES = {
+    "quick": Profile("quick", examples=12, steps=10, checks=CHECKS),
+    "standard": Profile("standard", examples=60, steps=20, checks=CHECKS + (MIXED,)),
+    "nightly": Profile("nightly", examples=400, steps=40, checks=CHECKS + (MIXED,)),
+}
+
+
+def get_check(check_id: str) -> CheckSpec:
+    for spec in CHECKS + (MIXED,):
+        if spec.id == check_id:
+            return spec
+    raise KeyError(f"unknown check {check_id!r}; known: {', '.join(s.id for s in CHECKS + (MIXED,))}")

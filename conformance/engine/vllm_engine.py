@@ -1,0 +1,86 @@
+"""vLLM's whole engine (``vllm.LLM``) as an engine adapter, in a worker subprocess.
+
+Defaults are chosen to exercise the hybrid cache, not to be fast:
+- prefix caching on (the reference engine turns it off);
+- few KV blocks (``num_gpu_blocks_override``), so the eviction check can push
+  prefixes out and long batches can force preemption;
+- greedy decoding with EOS ignored, so every request makes exactly the tokens asked;
+- ``enforce_eager`` (no graphs on CPU; on CUDA it also removes graph padding as a
+  source of difference between the cached and the reference run).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .adapter import EngineError, EngineInfo, EngineOutput
+from .process import WorkerProcess, engine_python
+
+# CPU: the vLLM CPU backend reads these at import; 1 GiB of KV space is plenty
+# for tiny models (the block count is capped below anyway) and leaves room on a
+# 24 GiB machine for two engines and the transformers reference.
+CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+STARTUP_TIMEOUT = 300.0
+CALL_TIMEOUT = 300.0
+
+
+class VllmEngine:
+    """One engine for one model fixture.  ``options`` (all optional):
+    ``python`` (interpreter with vLLM), ``device`` (cpu | cuda), ``dtype``
+    (default: the fixture's), ``mamba_ssm_cache_dtype``, ``num_gpu_blocks_override``,
+    ``max_num_seqs``, ``max_model_len``, ``mamba2_checkpoint_workaround``, ``cache_dir``."""
+
+    def __init__(self, model: str, prefix_caching: bool, options: dict | None = None):
+        self.model = model
+        self.prefix_caching = prefix_caching
+        self.options = dict(options or {})
+        self.label = f"vllm-{model}-{'apc' if prefix_caching else 'noapc'}"
+        self.worker: WorkerProcess | None = None
+        self.info: EngineInfo | None = None
+        self.starts = 0
+        self.calls = 0
+
+    def _worker_options(self) -> dict:
+        keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
+                "block_size", "mamba_ssm_cache_dtype", "mamba_cache_mode", "gpu_memory_utilization",
+                "enforce_eager", "mamba2_checkpoint_workaround", "enable_chunked_prefill")
+        opts = {k: self.options[k] for k in keys if self.options.get(k) is not None}
+        opts["prefix_caching"] = self.prefix_caching
+        return opts
+
+    def start(self) -> EngineInfo:
+        env = dict(CPU_ENV) if self.options.get("device", "cpu") == "cpu" else {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+        self.worker = WorkerProcess(engine_python(self.options), env=env, label=self.label)
+        self.worker.start()
+        self.starts += 1
+        try:
+            ans = self.worker.call({"cmd": "init", "kind": "vllm", "model": self.model,
+                                    "cache_dir": self.options.get("cache_dir"),
+                                    "options": self._worker_options()}, timeout=STARTUP_TIMEOUT)
+        except EngineError as e:
+            self.worker.kill()
+            raise EngineError("startup", f"{self.label} failed to start: {e.message}", e.log_tail) from None
+        i = ans["info"]
+        self.info = EngineInfo(name="vllm-cpu" if self.options.get("device", "cpu") == "cpu" else "vllm",
+                               version=i["version"], block_size=i["block_size"], prefix_caching=self.prefix_caching,
+                               extra={k: v for k, v in i.items() if k not in ("version", "block_size")})
+        return self.info
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[EngineOutput]:
+        if self.worker is None:
+            self.start()
+        self.calls += 1
+        ans = self.worker.call({"cmd": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens},
+                               timeout=CALL_TIMEOUT)
+        return [EngineOutput(tuple(o["tokens"]), tuple(o["logprobs"]), o["cached"]) for o in ans["outputs"]]
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None

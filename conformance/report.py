@@ -1,0 +1,88 @@
+"""Writes what a run produced: results.json, junit.xml and repro files.
+
+Every write goes to a temporary file first and is renamed into place, so a
+run killed at any moment leaves valid files for what had finished."""
+
+from __future__ import annotations
+
+import json
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from .results import CheckResult, RunResult
+
+REPRO_SCHEMA = "hybrid-cache-conformance/repro"
+REPRO_VERSION = 1
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_all(out: Path, result: RunResult) -> None:
+    _atomic_write(out / "results.json", json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    _atomic_write(out / "junit.xml", junit_xml(result))
+
+
+def junit_xml(result: RunResult) -> str:
+    summary = result.to_dict()["summary"]
+    suite = ET.Element("testsuite", name=f"hybrid-cache-conformance[{result.implementation}]",
+                       tests=str(len(result.checks)), failures=str(summary["failed"]), errors=str(summary["error"]),
+                       skipped=str(summary["skipped"]),
+                       time=f"{sum(c.seconds for c in result.checks):.3f}")
+    props = ET.SubElement(suite, "properties")
+    for key, value in (("implementation", result.implementation), ("version", result.implementation_version),
+                       ("seed", result.seed), ("profile", result.profile), ("mutant", result.mutant or "")):
+        ET.SubElement(props, "property", name=key, value=str(value))
+    for c in result.checks:
+        case = ET.SubElement(suite, "testcase", classname=f"conformance.{c.family}", name=c.id, time=f"{c.seconds:.3f}")
+        if c.status in ("failed", "error") and c.failure is not None:
+            el = ET.SubElement(case, "failure" if c.status == "failed" else "error",
+                               message=c.failure.message[:500], type=c.failure.kind)
+            el.text = _witness(c)
+        elif c.status == "skipped":
+            ET.SubElement(case, "skipped", message=c.reason)
+    return ET.tostring(suite, encoding="unicode") + "\n"
+
+
+def _witness(c: CheckResult) -> str:
+    lines = [c.failure.message, "", f"minimized sequence ({len(c.failure.steps)} operations):"]
+    lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(c.failure.steps)]
+    if c.failure.repro:
+        lines += ["", f"replay: hybrid-conformance replay {c.failure.repro}"]
+    return "\n".join(lines)
+
+
+def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> dict:
+    return {
+        "schema": REPRO_SCHEMA,
+        "schema_version": REPRO_VERSION,
+        "implementation": result.implementation,
+        "implementation_version": result.implementation_version,
+        "impl": result.impl_spec,
+        "seed": result.seed,
+        "check": check.id,
+        "family": check.family,
+        "impl_config": impl_config,
+        "model": result.model,
+        "mutant": result.mutant,
+        "faults": result.fault_names,
+        "failure": {"kind": check.failure.kind, "message": check.failure.message},
+        "steps": check.failure.steps,
+    }
+
+
+def write_failure_repro(out: Path, result: RunResult, check: CheckResult, impl_config: dict) -> Path | None:
+    if check.failure is None or not check.failure.steps:
+        return None
+    repro_dir = out / "repros"
+    repro_dir.mkdir(exist_ok=True)
+    name = f"{check.id}" + (f"--{result.mutant}" if result.mutant else "") + ".json"
+    path = repro_dir / name
+    doc = repro_document(result, check, impl_config)
+    _atomic_write(path, json.dumps(doc, indent=2) + "\n")
+    check.failure.repro = str(path)
+    return path

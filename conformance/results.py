@@ -1,0 +1,72 @@
+"""Results of a run, as plain data (the boundary between running and reporting)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+STATUSES = ("passed", "failed", "error", "skipped")
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class Failure:
+    kind: str  # logits | invariant | contract | raised | timeout | stall | coverage
+    message: str
+    steps: list[dict] = field(default_factory=list)  # the minimized operation sequence (ops as data)
+    events: list[dict] = field(default_factory=list)  # the last plans and verdicts before the failure
+    repro: str | None = None  # path of the repro file, once written
+
+
+@dataclass
+class CheckResult:
+    id: str
+    family: str
+    status: str
+    description: str = ""
+    examples: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    coverage: dict[str, int] = field(default_factory=dict)
+    failure: Failure | None = None
+    reason: str = ""  # for skipped checks
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunResult:
+    implementation: str
+    implementation_version: str
+    seed: int
+    profile: str
+    started: str
+    finished: str | None = None
+    interrupted: bool = False
+    impl_spec: str = ""  # what --impl said (reference, vllm, module:Class)
+    model: dict = field(default_factory=dict)
+    impl_config: dict = field(default_factory=dict)
+    mutant: str | None = None
+    fault_names: list[str] = field(default_factory=list)
+    faults: dict[str, dict] = field(default_factory=dict)  # fault name -> {"fired": n, ...}
+    checks: list[CheckResult] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def coverage(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for c in self.checks:
+            for k, v in c.coverage.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status in ("passed", "skipped") for c in self.checks) and not self.interrupted
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["schema_version"] = SCHEMA_VERSION
+        d["coverage"] = self.coverage
+        d["summary"] = {s: sum(c.status == s for c in self.checks) for s in STATUSES}
+        return d

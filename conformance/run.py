@@ -1,0 +1,167 @@
+"""The one core behind the CLI, the pytest plugin and the Python API:
+``run()`` executes the checks of a profile against one implementation and
+writes reports as it goes (an interrupted run keeps what finished)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hypothesis import seed as hypothesis_seed
+from hypothesis.stateful import get_state_machine_test
+
+from . import report
+from .adapters import UsageError, resolve
+from .checks import PROFILES, CheckSpec, get_check
+from .guard import ImplementationError
+from .machine import Recorder, build_machine, hypothesis_settings
+from .model import ModelConfig, TinyHybrid
+from .oracle import Oracle
+from .results import CheckResult, Failure, RunResult
+from .session import ConformanceFailure
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "fixtures" / "models" / "tiny-hybrid.toml"
+
+
+@dataclass
+class RunOptions:
+    impl: str = "reference"
+    profile: str = "quick"
+    seed: int = 0
+    report_dir: Path | None = None
+    checks: tuple[str, ...] = ()  # empty: all checks of the profile
+    mutant: str | None = None
+    faults: tuple[str, ...] = ()
+    timeout: float = 30.0  # per implementation call
+    examples: int | None = None  # override the profile
+    steps: int | None = None
+    model_config: ModelConfig | None = None
+    impl_options: dict = field(default_factory=dict)
+    block_size: int | None = None
+    progress: object = None  # callable(event: str, **info)
+    write_reports: bool = True
+
+
+def default_report_dir(impl: str, seed: int) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in impl)
+    return Path("reports") / f"{stamp}-{safe}-s{seed}"
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def prepare(opts: RunOptions):
+    """Resolve everything that can be wrong with the input before running
+    anything, so that usage errors surface at once (exit code 2)."""
+    if opts.profile not in PROFILES:
+        raise UsageError(f"--profile {opts.profile!r}: expected one of {', '.join(PROFILES)}")
+    factory = resolve(opts.impl)
+    try:
+        specs = [get_check(c) for c in opts.checks] if opts.checks else list(PROFILES[opts.profile].checks)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    name = getattr(factory, "name", opts.impl)
+    if opts.mutant:
+        from fault_injection import get_mutant
+
+        try:
+            mutant = get_mutant(opts.mutant)
+        except KeyError as exc:
+            raise UsageError(f"--mutant: {exc.args[0]}") from None
+        try:
+            factory = mutant.wrap(factory)
+        except TypeError as exc:
+            raise UsageError(f"--mutant {opts.mutant}: {exc}") from None
+    env = None
+    if opts.faults:
+        from fault_injection.environment import build_faults
+
+        try:
+            env = build_faults(opts.faults, opts.seed)
+        except KeyError as exc:
+            raise UsageError(f"--faults: {exc.args[0]}") from None
+    model_config = opts.model_config or (ModelConfig.load(DEFAULT_MODEL) if DEFAULT_MODEL.exists() else ModelConfig())
+    return factory, name, specs, model_config, env
+
+
+def run(opts: RunOptions) -> RunResult:
+    factory, name, specs, model_config, env = prepare(opts)
+    model = TinyHybrid(model_config)
+    oracle = Oracle(model)  # shared: the reference of a sequence never changes
+    version = str(getattr(factory, "version", "unknown"))
+    result = RunResult(implementation=name, implementation_version=version, seed=opts.seed, profile=opts.profile,
+                       started=_now(), model=model_config.to_dict(), mutant=opts.mutant,
+                       impl_spec=opts.impl, fault_names=list(opts.faults),
+                       impl_config={"options": opts.impl_options, "block_size": opts.block_size})
+    out = None
+    if opts.write_reports:
+        out = Path(opts.report_dir or default_report_dir(opts.impl, opts.seed))
+        out.mkdir(parents=True, exist_ok=True)
+    profile = PROFILES[opts.profile]
+    notify = opts.progress or (lambda *a, **k: None)
+    try:
+        for index, spec in enumerate(specs):
+            notify("check-start", check=spec.id, index=index, total=len(specs))
+            res = run_check(factory, spec, model, oracle, opts, profile, index, env, notify)
+            result.checks.append(res)
+            if out is not None:
+                report.write_failure_repro(out, result, res, asdict(check_impl_config(spec, opts)))
+                report.write_all(out, result)
+            notify("check-end", check=spec.id, result=res)
+    except KeyboardInterrupt:
+        result.interrupted = True
+        raise
+    finally:
+        result.finished = _now()
+        result.metrics = {"reference_runs": oracle.reference_runs}
+        if env is not None:
+            result.faults = env.report()
+        if out is not None:
+            report.write_all(out, result)
+            result.metrics["report_dir"] = str(out)
+    return result
+
+
+def check_impl_config(spec: CheckSpec, opts: RunOptions):
+    return spec.impl_config(block_size=opts.block_size, options={**spec.options, **opts.impl_options})
+
+
+def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts: RunOptions, profile,
+              index: int, env=None, notify=lambda *a, **k: None) -> CheckResult:
+    examples = opts.examples or profile.examples
+    steps = opts.steps or profile.steps
+    impl_config = check_impl_config(spec, opts)
+    recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
+                                                    steps=r.steps, of=examples))
+    wrap = env.attach if env is not None else None
+    machine = build_machine(factory, spec, model, oracle, recorder, impl_config, timeout=opts.timeout, wrap=wrap)
+    test = get_state_machine_test(machine, settings=hypothesis_settings(spec, examples, steps))
+    test = hypothesis_seed(opts.seed * 1000 + index)(test)
+    started = time.perf_counter()
+    status, failure = "passed", None
+    try:
+        test()
+    except (ConformanceFailure, ImplementationError) as exc:
+        status = "error" if isinstance(exc, ImplementationError) else "failed"
+        steps_data, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
+        failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:])
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, not swallowed silently
+        status = "error"
+        failure = Failure(kind="harness", message=f"{type(exc).__name__}: {exc}",
+                          steps=recorder.failure[1] if recorder.failure else [])
+    if status == "passed":
+        missing = [c for c in spec.required if recorder.coverage.get(c, 0) == 0]
+        if missing:
+            status = "failed"
+            failure = Failure(kind="coverage", message=f"the {spec.family} situation never occurred: "
+                                                       f"{', '.join(missing)} stayed at 0 over {recorder.examples} examples")
+    return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
+                       examples=recorder.examples, steps=recorder.steps,
+                       seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
+                       failure=failure)

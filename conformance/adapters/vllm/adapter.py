@@ -1,0 +1,137 @@
+"""VllmCache: the harness contract on top of vLLM's real v1 Scheduler.
+
+Everything that decides (prefix matching, group reconciliation, Marconi
+junctions, chunk alignment, retention, eviction, copy-on-write) is vLLM's own
+code; this adapter only translates.  The harness stands where vLLM's GPU model
+runner would: it executes each SchedulerOutput on its own memory, derives the
+Mamba state moves like ``preprocess_mamba`` does (see :mod:`.translate`) and
+hands back the sampled tokens as a ModelRunnerOutput.
+"""
+
+from __future__ import annotations
+
+import vllm
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request as VRequest
+from vllm.v1.request import RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from ...contract import ImplConfig, Layout, Request, StepPlan, StepResult
+from .config import VllmOptions, build_kv_cache_config, build_vllm_config
+from .translate import RunnerState
+from .view import HashRegistry, build_view
+
+# Any token id: ignore_eos=True keeps it from ending a request early.
+_EOS = 2
+
+
+class VllmCache:
+    name = "vllm"
+    version = vllm.__version__
+
+    def __init__(self, config: ImplConfig | None = None):
+        config = config or ImplConfig()
+        self.config = config
+        self.opts = VllmOptions.from_config(config)
+        init_none_hash(sha256)  # a process-wide seed every block hash chains from
+        self.connector = None
+        kv_transfer = None
+        if self.opts.connector is not None:
+            from .connector import connector_transfer_config
+
+            kv_transfer = connector_transfer_config(self.opts.connector)
+        self.vllm_config = build_vllm_config(self.opts, kv_transfer)
+        self.kv_cache_config = build_kv_cache_config(self.opts)
+        register_all_kvcache_specs(self.vllm_config)
+        self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.vllm_config),
+                                   block_size=self.opts.block_size, hash_block_size=self.opts.prefix_match_unit,
+                                   log_stats=True)
+        self.connector = self.scheduler.connector
+        if self.connector is not None:
+            self.connector.bind_adapter(self)
+        self._hasher = get_request_block_hasher(self.opts.prefix_match_unit, sha256)
+        self.runner = RunnerState(mamba_block_size=self.opts.block_size)
+        self.registry = HashRegistry(self.opts.prefix_match_unit)
+        self.requests: dict[str, VRequest] = {}  # live requests, ours to read (vLLM drops finished ones)
+        self._pending = None  # the SchedulerOutput of the plan being executed
+        self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "preemptions": 0}
+
+    @property
+    def pool(self):
+        return self.scheduler.kv_cache_manager.block_pool
+
+    # -- contract ------------------------------------------------------------------
+    def layout(self) -> Layout:
+        # One vLLM block id indexes a KV block (attention group) or a state slot
+        # (Mamba group): the harness allocates NB of each.
+        return Layout(self.opts.block_size, self.opts.num_blocks, self.opts.num_blocks)
+
+    def add_request(self, request: Request) -> None:
+        sp = SamplingParams(max_tokens=request.max_new_tokens, ignore_eos=True, temperature=0.0)
+        sp.update_from_generation_config({}, eos_token_id=_EOS)
+        req = VRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt), sampling_params=sp,
+                       pooling_params=None, block_hasher=self._hasher)
+        self.requests[request.request_id] = req
+        self.registry.record(req)
+        self.scheduler.add_request(req)
+
+    def schedule(self, budget: int) -> StepPlan:
+        if self._pending is not None:
+            raise RuntimeError("schedule() called twice without update()")
+        # The harness budget is the scheduler's token budget for this step.
+        # vLLM reads it at the top of schedule() and for align-mode chunk cuts.
+        self.scheduler.max_num_scheduled_tokens = max(1, int(budget))
+        so = self.scheduler.schedule()
+        self.stats["steps"] += 1
+        self.stats["copies"] += len(so.kv_cache_block_copies or ())
+        for new in so.scheduled_new_reqs:
+            self.stats["hit_tokens"] += new.num_computed_tokens
+        plan = self.runner.to_plan(so)
+        self._record_hashes()
+        if not plan.requests:
+            # Nothing to run: vLLM's engine still closes the step (the harness
+            # does not call update() for an empty plan).
+            self.scheduler.update_from_output(so, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+            return plan
+        self._pending = so
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[str]:
+        so, self._pending = self._pending, None
+        ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+                                sampled_token_ids=[[result.sampled[r]] if r in result.sampled else [] for r in ids],
+                                kv_connector_output=self._connector_output(so))
+        self.scheduler.update_from_output(so, out)
+        self._record_hashes()
+        finished = [rid for rid, req in self.requests.items()
+                    if req.is_finished() and req.status != RequestStatus.FINISHED_ABORTED]
+        for rid in finished:
+            del self.requests[rid]
+        return finished
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        self.requests.pop(request_id, None)
+
+    def view(self):
+        running = tuple(r.request_id for r in self.scheduler.running)
+        view, unknown = build_view(self.pool, self.registry, running)
+        self.stats["unknown_hashes"] = max(self.stats["unknown_hashes"], unknown)
+        return view
+
+    # -- helpers ---------------------------------------------------------------------
+    def _record_hashes(self) -> None:
+        for req in self.requests.values():
+            self.registry.record(req)
+
+    def _connector_output(self, so):
+        if self.connector is None:
+            return None
+        return self.connector.worker_output(so)

@@ -1,0 +1,92 @@
+"""SchedulerOutput -> StepPlan: the duties of vLLM's worker-side model runner.
+
+vLLM's scheduler tells the runner the chunk sizes, the block tables (as deltas)
+and the copy-on-write block copies.  It does *not* list the Mamba state moves:
+the runner derives them (``vllm/v1/worker/mamba_utils.py::preprocess_mamba``,
+V1 path, no speculative blocks).  :class:`RunnerState` re-derives exactly that,
+because the harness stands where vLLM's GPU model runner would, and that code
+cannot be imported on a CPU (it loads Triton kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...contract import FRESH, RESUME, RequestStep, StepPlan, copy_from
+from .config import ATTN_GROUP, MAMBA_GROUP
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _ReqState:
+    tables: list[list[int]]  # per KV cache group, the block ids (grows with deltas)
+
+
+@dataclass
+class RunnerState:
+    """What a V1 model runner remembers between steps."""
+
+    mamba_block_size: int
+    num_spec_blocks: int = 0
+    requests: dict[str, _ReqState] = field(default_factory=dict)
+    # preprocess_mamba's ``mamba_state_idx``: request -> column of its running state
+    mamba_state_idx: dict[str, int] = field(default_factory=dict)
+
+    def prev_state_idx(self, rid: str, num_computed: int) -> int:
+        """The column holding the state at ``num_computed`` (-1: start fresh).
+        A new or resumed request has none remembered: its hit ends at
+        ``num_computed``, whose state sits in column (n-1)//B."""
+        prev = self.mamba_state_idx.get(rid)
+        return (num_computed - 1) // self.mamba_block_size if prev is None else prev
+
+    def to_plan(self, so) -> StepPlan:
+        """Apply one SchedulerOutput to the remembered tables; return the plan."""
+        # cleanup_mamba_state_idx: finished, preempted and resumed requests
+        # forget their running column (a resumed one gets a new table).
+        resumed = so.scheduled_cached_reqs.resumed_req_ids
+        for rid in set(so.finished_req_ids) | set(so.preempted_req_ids or ()) | set(resumed):
+            self.mamba_state_idx.pop(rid, None)
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+
+        starts: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = _ReqState([list(g) for g in new.block_ids])
+            self.mamba_state_idx.pop(new.req_id, None)  # an id reused after an abort is a new request
+            starts[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            delta = cached.new_block_ids[i]
+            if rid in resumed:
+                self.requests[rid] = _ReqState([list(g) for g in delta])
+            elif delta is not None:
+                for table, more in zip(self.requests[rid].tables, delta):
+                    table.extend(more)
+            starts[rid] = cached.num_computed_tokens[i]
+
+        copies = tuple((c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies or ())
+        steps = []
+        for rid, n in so.num_scheduled_tokens.items():
+            start = starts[rid]
+            steps.append(self._request_step(rid, start, start + n))
+        # One physical page per block id serves whichever group owns it, and
+        # vLLM's runner copies a block across *every* layer's cache: so a copy
+        # is applied to both the harness's KV blocks and its state slots.
+        return StepPlan(requests=tuple(steps), kv_copies=copies, state_copies=copies)
+
+    def _request_step(self, rid: str, start: int, end: int) -> RequestStep:
+        tables = self.requests[rid].tables
+        mamba = tables[MAMBA_GROUP]
+        prev = self.prev_state_idx(rid, start)
+        curr = cdiv(end, self.mamba_block_size) + self.num_spec_blocks - 1 - self.num_spec_blocks
+        self.mamba_state_idx[rid] = curr
+        if prev == -1:
+            init = FRESH
+        elif prev != curr:
+            init = copy_from(mamba[prev])  # copy before extend: a cached block is never mutated
+        else:
+            init = RESUME
+        return RequestStep(rid, start, end, tuple(tables[ATTN_GROUP]), mamba[curr], init)

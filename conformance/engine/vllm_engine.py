@@ -22,7 +22,7 @@ from .process import WorkerProcess, engine_python
 CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
 STARTUP_TIMEOUT = 300.0
-CALL_TIMEOUT = 300.0
+CALL_TIMEOUT = 180.0  # a tiny model answers in seconds; a dead engine core hangs forever
 
 
 class VllmEngine:

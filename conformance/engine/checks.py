@@ -1,0 +1,272 @@
+"""Engine checks: run each family's workload on the cached engine, then judge
+every request against both no-cache references, producing
+:class:`conformance.results.CheckResult` objects.
+
+Check ids are ``engine-<family>:<model>[+<variant>]``; one more per model,
+``engine-reference-agreement:<model>``, says whether the engine's cache-off
+path agrees with transformers at all (if not, the transformers comparisons of
+the other checks mean little, and this check says so).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import zlib
+from dataclasses import dataclass, field
+
+from ..results import CheckResult, Failure
+from .adapter import EngineError
+from .references import CacheOffReference, TransformersReference
+from .tolerance import Tolerance, calibrate, compare_to_cache_off, compare_to_transformers, hf_ceiling, max_abs_delta
+from .trace import CachedEngine, Trace, run_workload
+from .vllm_engine import VllmEngine
+from .workloads import FAMILIES, Size
+
+DESCRIPTIONS = {
+    "mid-block": "prompts sharing prefixes of k*B-1, k*B, k*B+1 and k*B+B/2 tokens, in successive calls",
+    "multi-turn": "conversations whose next turn extends the previous prompt and its generated tokens",
+    "repeats": "exact replays of prompts, across calls and twice within one call",
+    "concurrent": "groups of prefix-sharing prompts submitted together (more than run at once), then reversed",
+    "eviction": "a small-memory engine flooded past its block pool (eviction, preemption), then replays",
+    "reference-agreement": "the cache-off engine against a plain transformers forward pass (validates the references)",
+}
+CALIBRATION_REQUESTS = 6
+
+
+@dataclass
+class Variant:
+    """One model as one engine configuration."""
+
+    model: str
+    variant: str = ""
+    families: tuple[str, ...] = tuple(FAMILIES)
+    options: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return self.model + (f"+{self.variant}" if self.variant else "")
+
+
+def check_id(family: str, v: Variant) -> str:
+    return f"engine-{family}:{v.key}"
+
+
+def _seed_for(seed: int, cid: str) -> int:
+    return seed * 1_000_003 + zlib.crc32(cid.encode())
+
+
+def _engine_error_failure(tr: Trace) -> Failure:
+    e = tr.error
+    where = "starting the engine" if tr.error_round == -1 else f"round {tr.error_round}"
+    return Failure(kind="raised" if e.kind != "timeout" else "timeout",
+                   message=f"engine {e.kind} during {where}: {e.message}",
+                   steps=tr.repro(tr.error_round) if tr.error_round is not None and tr.error_round >= 0 else [],
+                   events=[{"engine_log_tail": e.log_tail[-3000:]}])
+
+
+def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None, hf: TransformersReference | None,
+          tol: Tolerance, measurements: dict) -> CheckResult:
+    cov = dict.fromkeys(("requests", "rounds", "cache_hits", "mid_block_hits", "expected_hits", "expected_hits_met",
+                         "cached_tokens", "generated_tokens", "compared_cache_off", "compared_transformers",
+                         "evicted_replays"), 0)
+    res = CheckResult(id=tr.check_id, family=f"engine-{tr.family}", status="passed",
+                      description=DESCRIPTIONS[tr.family], examples=1, steps=len(tr.rounds), seconds=tr.seconds,
+                      coverage=cov)
+    failure: Failure | None = None
+    max_off = max_hf = 0.0
+    first_hit: dict[tuple[int, ...], int] = {}
+    for ri, (rnd, outs, bnds) in enumerate(zip(tr.rounds, tr.outputs, tr.bounds)):
+        cov["rounds"] += 1
+        for req, out, bound in zip(rnd, outs, bnds):
+            cov["requests"] += 1
+            cov["generated_tokens"] += len(out.tokens)
+            cov["cached_tokens"] += out.cached_tokens
+            if out.cached_tokens > 0:
+                cov["cache_hits"] += 1
+                if req.shared % block_size:
+                    cov["mid_block_hits"] += 1
+            if req.expect_hit:
+                cov["expected_hits"] += 1
+                cov["expected_hits_met"] += out.cached_tokens > 0
+            if "after flood" in req.label and out.cached_tokens < first_hit.get(req.prompt, 0):
+                cov["evicted_replays"] += 1
+            first_hit.setdefault(req.prompt, out.cached_tokens)
+            where = {"round": ri, "label": req.label, "prompt_len": len(req.prompt),
+                     "cached_tokens": out.cached_tokens, "tokens": list(out.tokens), "logprobs": list(out.logprobs)}
+            if failure is None and (out.cached_tokens > bound or len(out.logprobs) != len(out.tokens)):
+                failure = Failure(kind="contract", message=(
+                    f"{req.label}: engine reports {out.cached_tokens} cached tokens, but no sequence it was shown "
+                    f"shares more than {bound} tokens with this prompt" if out.cached_tokens > bound else
+                    f"{req.label}: {len(out.tokens)} tokens but {len(out.logprobs)} logprobs"),
+                    steps=tr.repro(ri), events=[where])
+            if off is not None:
+                ref = off.get(req.prompt, req.max_tokens)
+                cov["compared_cache_off"] += 1
+                n = min(len(out.tokens), len(ref.tokens))
+                max_off = max(max_off, max_abs_delta(out.logprobs[:n], ref.logprobs[:n]))
+                mm = compare_to_cache_off(out.tokens, out.logprobs, ref.tokens, ref.logprobs, tol)
+                if mm and failure is None:
+                    failure = Failure(kind="logits", message=f"{req.label} (cached {out.cached_tokens} of "
+                                      f"{len(req.prompt)} prompt tokens) vs cache-off engine: {mm.message}",
+                                      steps=tr.repro(ri), events=[where, {"cache_off_tokens": list(ref.tokens),
+                                                                          "cache_off_logprobs": list(ref.logprobs)}])
+            if hf is not None:
+                sc = hf.score(req.prompt + out.tokens, len(req.prompt))
+                cov["compared_transformers"] += 1
+                max_hf = max(max_hf, max_abs_delta(out.logprobs, sc.chosen))
+                mm = compare_to_transformers(out.tokens, out.logprobs, sc, tol)
+                if mm and failure is None:
+                    failure = Failure(kind="logits", message=f"{req.label} (cached {out.cached_tokens} of "
+                                      f"{len(req.prompt)} prompt tokens) vs transformers: {mm.message}",
+                                      steps=tr.repro(ri), events=[where, {"transformers": sc.to_dict()}])
+    measurements[tr.check_id] = {"max_abs_delta_cache_off": max_off, "max_abs_delta_transformers": max_hf,
+                                 "seconds": round(tr.seconds, 2)}
+    if tr.error is not None and failure is None:
+        failure = _engine_error_failure(tr)
+    if failure is None and cov["expected_hits"]:
+        share = cov["expected_hits_met"] / cov["expected_hits"]
+        if share < tol.min_hit_share:
+            failure = Failure(kind="coverage", message=(
+                f"only {cov['expected_hits_met']} of {cov['expected_hits']} requests designed to hit the prefix "
+                f"cache did (cached tokens > 0); at least {tol.min_hit_share:.0%} must, or the check tested nothing"),
+                steps=tr.repro())
+    if failure is not None:
+        res.status = "failed"
+        res.failure = failure
+    return res
+
+
+def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: TransformersReference,
+                        tol: Tolerance, dtype: str, seconds: float) -> CheckResult:
+    cid = check_id("reference-agreement", v)
+    worst, where, flips = 0.0, None, 0
+    for prompt, n in items:
+        ref = off.get(prompt, n)
+        sc = hf.score(prompt + ref.tokens, len(prompt))
+        for i, t in enumerate(ref.tokens):
+            d = abs(ref.logprobs[i] - sc.chosen[i])
+            if d > worst:
+                worst, where = d, {"prompt": list(prompt), "max_tokens": n, "position": i}
+            if sc.rank[i] != 0 and sc.top1_logprob[i] - sc.chosen[i] > hf_ceiling(dtype):
+                flips += 1
+    res = CheckResult(id=cid, family="engine-reference-agreement", status="passed",
+                      description=DESCRIPTIONS["reference-agreement"], examples=1, steps=len(items), seconds=seconds,
+                      coverage={"requests": len(items), "compared_transformers": len(items)})
+    if worst > hf_ceiling(dtype) or flips:
+        res.status = "failed"
+        res.failure = Failure(kind="logits", message=(
+            f"cache-off engine vs transformers: max |Δlogprob| {worst:.3g} (ceiling {hf_ceiling(dtype):.3g} for "
+            f"{dtype}), {flips} argmax flips that are not near-ties"), steps=[where] if where else [])
+    return res
+
+
+def _calibrate(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str, exact: bool,
+               min_hit_share: float) -> Tolerance:
+    """Noise of the cache-off engine (the calibration prompts again, one per
+    call instead of batched) and its spread against transformers."""
+    cal = items[:CALIBRATION_REQUESTS]
+    noise, agree = 0.0, 0
+    for prompt, n in cal:
+        a = off.get(prompt, n)
+        b = off.engine.generate([prompt], n)[0]
+        agree += a.tokens == b.tokens
+        k = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+        noise = max(noise, max_abs_delta(a.logprobs[:k], b.logprobs[:k]))
+    spread, top1, total = 0.0, 0, 0
+    if hf is not None:
+        for prompt, n in cal:
+            a = off.get(prompt, n)
+            sc = hf.score(prompt + a.tokens, len(prompt))
+            spread = max(spread, max_abs_delta(a.logprobs, sc.chosen))
+            top1 += sum(r == 0 for r in sc.rank)
+            total += len(sc.rank)
+    return calibrate(dtype, exact, noise, agree / max(1, len(cal)), spread, top1 / max(1, total), len(cal),
+                     min_hit_share)
+
+
+def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None) -> tuple[dict, list[CheckResult]]:
+    """All checks of one model variant.  Never raises for an engine defect."""
+    say = progress or (lambda msg: None)
+    opts = {**options, **v.options}
+    info: dict = {"variant": v.key, "options": {k: val for k, val in opts.items() if k != "python"}}
+    results: list[CheckResult] = []
+    main = CachedEngine(VllmEngine(v.model, True, opts))
+    traces: list[Trace] = []
+    families = [f for f in v.families if f != "eviction"]
+    block_size = None
+    try:
+        for fam in families:
+            cid = check_id(fam, v)
+            say(f"{cid}: running on the cached engine")
+            if block_size is None:
+                try:
+                    main.ensure()
+                    block_size = main.engine.info.block_size
+                    info["engine"] = {"version": main.engine.info.version, "block_size": block_size,
+                                      **main.engine.info.extra}
+                except EngineError as e:
+                    main.dirty = True
+                    tr = Trace(cid, fam, error=e, error_round=-1)
+                    traces.append(tr)
+                    continue
+            rng = random.Random(_seed_for(seed, cid))
+            traces.append(run_workload(cid, fam, main, FAMILIES[fam](rng, block_size, opts["vocab_size"], size)))
+    finally:
+        main.engine.close()
+    if "eviction" in v.families and block_size is not None:
+        cid = check_id("eviction", v)
+        say(f"{cid}: running on a small-memory engine")
+        blocks = int(opts.get("eviction_blocks", 24))
+        small = CachedEngine(VllmEngine(v.model, True, {**opts, "num_gpu_blocks_override": blocks}))
+        try:
+            rng = random.Random(_seed_for(seed, cid))
+            max_prompt = min(int(opts.get("max_model_len", 1024)) - size.long_max_tokens, size.max_blocks * block_size)
+            traces.append(run_workload(cid, "eviction", small, FAMILIES["eviction"](
+                rng, block_size, opts["vocab_size"], size, pool_tokens=blocks * block_size, max_prompt=max_prompt)))
+            if small.engine.info is not None:
+                info["eviction_engine"] = {"num_blocks": small.engine.info.extra.get("num_blocks")}
+        finally:
+            small.engine.close()
+
+    # References, in bulk, memoized (each distinct sequence once).
+    items = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, _, _ in tr.requests()))
+    dtype = opts.get("dtype") or opts["fixture_dtype"]
+    exact = bool(opts.get("exact", opts.get("device", "cpu") == "cpu"))
+    off_engine = VllmEngine(v.model, False, opts)
+    off = CacheOffReference(off_engine, batch_size=int(opts.get("max_num_seqs", 8)))
+    hf = None if opts.get("skip_transformers") else TransformersReference(v.model, opts)
+    tol = None
+    ref_error: str | None = None
+    try:
+        if items:
+            t0 = time.monotonic()
+            say(f"{v.key}: cache-off reference for {len(items)} distinct prompts")
+            off.prefetch(items)
+            tol = _calibrate(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
+            if hf is not None:
+                say(f"{v.key}: transformers reference")
+                hf.prefetch([(r.prompt + o.tokens, len(r.prompt)) for tr in traces for r, o, _ in tr.requests()] +
+                            [(p + off.get(p, n).tokens, len(p)) for p, n in items])
+                results.append(reference_agreement(v, items, off, hf, tol, dtype, time.monotonic() - t0))
+                info["transformers_version"] = hf.version
+    except EngineError as e:
+        ref_error = f"reference failed ({e.kind}): {e.message}\n{e.log_tail[-2000:]}"
+    finally:
+        off.close()
+        if hf is not None:
+            hf.close()
+    if tol is None:
+        tol = calibrate(dtype, exact, 0.0, 1.0, 0.0, 1.0, 0, float(opts.get("min_hit_share", 0.5)))
+    info["tolerance"] = tol.to_dict()
+    info["reference_runs"] = {"cache_off": off.runs, "transformers": hf.runs if hf else 0}
+    measurements: dict = {}
+    for tr in traces:
+        if ref_error is not None and tr.error is None:
+            results.append(CheckResult(id=tr.check_id, family=f"engine-{tr.family}", status="error",
+                                       description=DESCRIPTIONS[tr.family], seconds=tr.seconds,
+                                       failure=Failure(kind="raised", message=ref_error)))
+            continue
+        results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements))
+    info["measurements"] = measurements
+    return info, results

@@ -1,0 +1,88 @@
+"""Seeded bugs in the vLLM adapter's stack, applied at run time to one adapter
+instance (no vLLM code is copied or edited: each mutant wraps one decision).
+
+``VLLM_MUTANTS[name](adapter) -> adapter`` patches a built
+:class:`conformance.adapters.vllm.VllmCache`; the same mutants are registered
+in :mod:`fault_injection.registry` (target ``"vllm"``) as factory wrappers, so
+``--impl vllm --mutant NAME`` works once the registry loads this module.  The
+suite must catch each through its generic checks (logits against the no-cache
+reference, invariants), never through a check written for one of them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .registry import register
+
+
+def _check(adapter) -> None:
+    if not hasattr(adapter, "scheduler") or not hasattr(adapter, "runner"):
+        raise TypeError(f"vLLM mutants apply to VllmCache instances, not {type(adapter).__name__}")
+
+
+def state_wrong_position(adapter):
+    """SNAP: on a prefix hit the model runner takes the recurrent state from one
+    block column too early (``(num_computed - 1) // B - 1``), as a worker whose
+    Mamba hit index is off by one would: the request continues from the state
+    of an earlier position, the never-written null block, or a fresh state."""
+    _check(adapter)
+    runner = adapter.runner
+    original = type(runner).prev_state_idx
+
+    def prev_state_idx(self, rid, num_computed):
+        hit = rid not in self.mamba_state_idx and num_computed > 0  # a new request starting past 0
+        prev = original(self, rid, num_computed)
+        return prev - 1 if hit else prev
+
+    runner.prev_state_idx = prev_state_idx.__get__(runner)
+    return adapter
+
+
+def groups_not_reconciled(adapter):
+    """GROUPS: the hybrid coordinator stops reconciling the Mamba group with the
+    attention group: the Mamba finder's (shorter) hit no longer shortens the
+    common hit, so ``num_computed_tokens`` advances to the attention hit while
+    no recurrent state exists there (the LMCache#2845 class: attention restored,
+    recurrent state not)."""
+    _check(adapter)
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    coord = adapter.scheduler.kv_cache_manager.coordinator
+    for idx, group in enumerate(coord.attention_groups):
+        if not isinstance(group.spec, MambaSpec):
+            continue
+        base = group.manager_cls
+
+        class Unreconciled(base):  # a subclass per adapter: vLLM's class itself is not touched
+            @classmethod
+            def find_longest_cache_hit(cls, *args, max_length, **kw):
+                blocks, _ = super().find_longest_cache_hit(*args, max_length=max_length, **kw)
+                return blocks, max_length
+
+        coord.attention_groups[idx] = group._replace(manager_cls=Unreconciled)
+    return adapter
+
+
+VLLM_MUTANTS: dict[str, Callable] = {
+    "vllm-state-wrong-position": state_wrong_position,
+    "vllm-groups-not-reconciled": groups_not_reconciled,
+}
+
+
+def _factory_wrapper(name: str, apply: Callable):
+    def wrap(factory):
+        def build(config):
+            return apply(factory(config))
+
+        build.name = getattr(factory, "name", "vllm")
+        build.version = getattr(factory, "version", "unknown")
+        build.__name__ = f"{getattr(factory, '__name__', 'VllmCache')}[{name}]"
+        return build
+
+    wrap.__doc__ = apply.__doc__
+    return wrap
+
+
+for _name, _apply in VLLM_MUTANTS.items():
+    register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm")(_factory_wrapper(_name, _apply))

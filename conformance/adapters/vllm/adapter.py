@@ -60,7 +60,7 @@ class VllmCache:
         self.registry = HashRegistry(self.opts.prefix_match_unit)
         self.requests: dict[str, VRequest] = {}  # live requests, ours to read (vLLM drops finished ones)
         self._pending = None  # the SchedulerOutput of the plan being executed
-        self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "preemptions": 0}
+        self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "resumed": 0}
 
     @property
     def pool(self):
@@ -92,6 +92,7 @@ class VllmCache:
         self.stats["copies"] += len(so.kv_cache_block_copies or ())
         for new in so.scheduled_new_reqs:
             self.stats["hit_tokens"] += new.num_computed_tokens
+        self.stats["resumed"] += len(so.scheduled_cached_reqs.resumed_req_ids)  # after a preemption
         plan = self.runner.to_plan(so)
         self._record_hashes()
         if not plan.requests:

@@ -14,6 +14,7 @@ the minimized failure is data that replays without Hypothesis.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, note, settings
@@ -39,6 +40,9 @@ class Recorder:
     coverage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     failure: tuple | None = None  # (exception, ops as data, events)
     on_example: object = None  # progress callback(recorder)
+    started: float = field(default_factory=time.perf_counter)
+    # When the first failing example appeared (before shrinking): detection cost.
+    first_failure: tuple[int, float] | None = None  # (examples run, seconds)
 
 
 def build_machine(impl_factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, recorder: Recorder,
@@ -76,6 +80,8 @@ def build_machine(impl_factory, spec: CheckSpec, model: TinyHybrid, oracle: Orac
                 self.session.apply(op)
             except (ConformanceFailure, ImplementationError) as exc:
                 recorder.failure = (exc, [op_to_dict(o) for o in self.ops], list(self.session.history.events))
+                if recorder.first_failure is None:
+                    recorder.first_failure = (recorder.examples, round(time.perf_counter() - recorder.started, 3))
                 raise
             self.finished = [rid for rid, t in self.session.tracks.items() if t.done and t.generated > 0]
 

@@ -15,6 +15,8 @@ class Failure:
     steps: list[dict] = field(default_factory=list)  # the minimized operation sequence (ops as data)
     events: list[dict] = field(default_factory=list)  # the last plans and verdicts before the failure
     repro: str | None = None  # path of the repro file, once written
+    examples_to_failure: int | None = None  # examples run until the first failing one (before shrinking)
+    seconds_to_failure: float | None = None
 
 
 @dataclass

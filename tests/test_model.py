@@ -1,0 +1,101 @@
+"""The two model paths agree, and the cached path is sensitive to exactly the
+mistakes a cache makes (wrong KV, a neighbouring position's state, a state
+without its conv part)."""
+
+import random
+
+import pytest
+import torch
+
+from conformance.model import ModelConfig, RecState, TinyHybrid
+
+
+def _seq(n, seed=1, vocab=64):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _chunked(model, tokens, chunks):
+    """Run ``tokens`` through the cached path in the given chunk sizes, keeping
+    the KV and states in plain tensors (no paging): returns logits, KV, states."""
+    c = model.config
+    kv = [(torch.zeros(0, c.attn_heads, c.head_dim, dtype=model.dtype),) * 2 for _ in range(c.num_attn_layers)]
+    states = [model.zero_state() for _ in range(c.num_rec_layers)]
+    outs, pos, history = [], 0, {0: [RecState(s.conv.clone(), s.ssm.clone()) for s in states]}
+    for k in chunks:
+        o = model.step(tokens[pos:pos + k], pos, kv, states)
+        kv = [(torch.cat([a, na]), torch.cat([b, nb])) for (a, b), (na, nb) in zip(kv, o.new_kv)]
+        states = o.states
+        outs.append(o.logits)
+        pos += k
+        history[pos] = states
+    return torch.cat(outs), kv, history
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("chunks", [[40], [1] * 40, [5, 1, 7, 11, 16], [3, 3, 3, 31]])
+def test_cached_path_matches_reference(model, chunks):
+    tokens = _seq(40)
+    ref = model.reference(tokens)
+    got, _, _ = _chunked(model, tokens, chunks)
+    assert _rel(got, ref) <= 1e-9
+
+
+def test_snapshot_capture_equals_state_at_that_position(model):
+    tokens = _seq(20)
+    _, _, history = _chunked(model, tokens, [7, 13])
+    c = model.config
+    kv = [(torch.zeros(0, c.attn_heads, c.head_dim, dtype=model.dtype),) * 2 for _ in range(c.num_attn_layers)]
+    out = model.step(tokens[:20], 0, kv, [model.zero_state() for _ in range(c.num_rec_layers)], capture=(7,))
+    for got, want in zip(out.captured[7], history[7]):
+        assert torch.allclose(got.conv, want.conv, rtol=0, atol=1e-12)
+        assert torch.allclose(got.ssm, want.ssm, rtol=0, atol=1e-12)
+
+
+def _resume(model, tokens, start, kv, states):
+    past = [(k[:start], v[:start]) for k, v in kv]
+    return model.step(tokens[start:], start, past, states).logits
+
+
+def test_sensitivity_to_cache_mistakes(model):
+    tokens = _seq(32, seed=3)
+    ref = model.reference(tokens)
+    _, kv, history = _chunked(model, tokens, [12, 1, 19])
+    start = 12
+    assert _rel(_resume(model, tokens, start, kv, history[12]), ref[start:]) <= 1e-9
+    # the state of a neighbouring position
+    assert _rel(_resume(model, tokens, start, kv, history[13]), ref[start:]) >= 1e-3
+    # a state without its conv part (matrix state right, conv state zeroed)
+    no_conv = [RecState(torch.zeros_like(s.conv), s.ssm) for s in history[12]]
+    assert _rel(_resume(model, tokens, start, kv, no_conv), ref[start:]) >= 1e-3
+    # wrong KV: another sequence's KV for the prefix
+    _, other_kv, _ = _chunked(model, _seq(32, seed=4), [32])
+    assert _rel(_resume(model, tokens, start, other_kv, history[12]), ref[start:]) >= 1e-3
+    # KV one position off
+    shifted = [(torch.cat([k[1:], k[-1:]]), torch.cat([v[1:], v[-1:]])) for k, v in kv]
+    assert _rel(_resume(model, tokens, start, shifted, history[12]), ref[start:]) >= 1e-3
+
+
+def test_weights_are_deterministic_and_seeded():
+    a, b = TinyHybrid(ModelConfig(seed=5)), TinyHybrid(ModelConfig(seed=5))
+    c = TinyHybrid(ModelConfig(seed=6))
+    toks = _seq(10)
+    assert torch.equal(a.reference(toks), b.reference(toks))
+    assert not torch.equal(a.reference(toks), c.reference(toks))
+
+
+def test_float32_paths_agree_within_float32_tolerance():
+    m = TinyHybrid(ModelConfig(), dtype=torch.float32)
+    tokens = _seq(24)
+    got, _, _ = _chunked(m, tokens, [5, 19])
+    assert _rel(got, m.reference(tokens)) <= 1e-4
+
+
+def test_bad_pattern_is_rejected():
+    with pytest.raises(ValueError, match="R and A"):
+        ModelConfig(pattern="RRX")
+    with pytest.raises(ValueError, match="hybrid"):
+        ModelConfig(pattern="RRR")

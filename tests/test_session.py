@@ -1,0 +1,108 @@
+"""The session: applying operations, contract enforcement, and turning an
+implementation's raise or hang into a finding."""
+
+import time
+
+import pytest
+
+from conformance.adapters.reference import ReferenceCache
+from conformance.contract import ImplConfig, RequestStep, StepPlan
+from conformance.guard import ImplementationError
+from conformance.ops import Abort, Drain, Step, Submit
+from conformance.session import ConformanceFailure, make_session
+
+CFG = ImplConfig(block_size=4, num_kv_blocks=32, num_state_slots=16)
+BASE = tuple(range(1, 30))
+
+
+def session(model, oracle, factory=ReferenceCache, timeout=5.0):
+    return make_session(factory, CFG, model, oracle, timeout=timeout)
+
+
+def test_reference_reuses_mid_block_prefix_and_snapshot(model, oracle):
+    s = session(model, oracle)
+    s.apply(Submit("a", BASE[:10], 2))
+    s.apply(Drain(1024))
+    s.apply(Submit("b", s.tracks["a"].tokens + (5, 6), 1, continues="a"))
+    s.apply(Drain(3))
+    assert s.coverage["prefix_hits"] == 1
+    assert s.coverage["multi_turn_hits"] == 1
+    assert s.coverage["mid_block_hits"] == 1  # the hit ends at 11, inside block 2
+    assert s.coverage["snapshot_reuse"] == 1
+    assert s.coverage["chunked_prefills"] >= 1  # cut at block boundaries and the prompt end
+    assert not s.active()
+
+
+def test_abort_releases_everything(model, oracle):
+    s = session(model, oracle)
+    s.apply(Submit("a", BASE[:13], 3))
+    s.apply(Step(5))
+    s.apply(Abort("a"))
+    view = s.impl.view()
+    assert all(n == 0 for n in view.kv_refcounts.values())
+    assert all(n == 0 for n in view.state_refcounts.values())
+
+
+class _Scripted(ReferenceCache):
+    """Breaks the contract in one named way."""
+
+    how = ""
+
+    def schedule(self, budget):
+        plan = super().schedule(budget)
+        if self.how == "skip" and plan.requests and plan.requests[0].start > 0:
+            rs = plan.requests[0]  # a later step that skips a token (a first step may claim a hit)
+            return StepPlan((RequestStep(rs.request_id, rs.start + 1, rs.end, rs.block_table, rs.state_slot,
+                                         rs.state_init),))
+        if self.how == "bad-block" and plan.requests:
+            rs = plan.requests[0]
+            return StepPlan((RequestStep(rs.request_id, rs.start, rs.end, (999,), rs.state_slot, rs.state_init),))
+        if self.how == "raise":
+            raise RuntimeError("boom")
+        if self.how == "hang":
+            time.sleep(30)
+        if self.how == "nothing":
+            return StepPlan()
+        return plan
+
+
+@pytest.mark.parametrize("how,kind", [("skip", "contract"), ("bad-block", "invariant"), ("nothing", "stall")])
+def test_contract_violations_are_failures(model, oracle, how, kind):
+    factory = type("Broken", (_Scripted,), {"how": how})
+    s = session(model, oracle, factory)
+    s.apply(Submit("a", BASE[:9], 1))
+    with pytest.raises(ConformanceFailure) as info:
+        s.apply(Drain(1024))
+    assert info.value.kind == kind
+
+
+@pytest.mark.parametrize("how,kind", [("raise", "raised"), ("hang", "timeout")])
+def test_raise_and_hang_become_findings(model, oracle, how, kind):
+    factory = type("Broken", (_Scripted,), {"how": how})
+    s = session(model, oracle, factory, timeout=1.0)
+    s.apply(Submit("a", BASE[:9], 1))
+    started = time.monotonic()
+    with pytest.raises(ImplementationError) as info:
+        s.apply(Drain(1024))
+    assert info.value.kind == kind
+    assert time.monotonic() - started < 10
+
+
+def test_wrong_logits_are_explained(model, oracle):
+    class StaleState(ReferenceCache):
+        # Resumes a hit from a fresh state: the KV is reused, the state is not.
+        def _admit(self, req, kv_copies):
+            ok = super()._admit(req, kv_copies)
+            if ok and req.init.kind == "copy":
+                from conformance.contract import FRESH
+                req.init = FRESH
+            return ok
+
+    s = session(model, oracle, StaleState)
+    s.apply(Submit("a", BASE[:9], 1))
+    s.apply(Drain(1024))
+    s.apply(Submit("b", BASE[:9] + (3, 3), 1))
+    with pytest.raises(ConformanceFailure) as info:
+        s.apply(Drain(1024))
+    assert info.value.kind == "logits"
+    assert "state slot" in str(info.value) and "wanted" in str(info.value)

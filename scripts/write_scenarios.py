@@ -1,0 +1,197 @@
+"""Writes fixtures/scenarios/*.json from the compact table below.
+
+The JSON files are the source of truth (tests replay them); this script only
+keeps them uniform and readable (one operation per line).  After editing a
+scenario here, run it and then ``pytest tests/test_scenarios.py``.
+
+    python scripts/write_scenarios.py            # (re)write every scenario
+    python scripts/write_scenarios.py NAME ...   # only these
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
+B = 4  # block size of every scenario below (ImplConfig default)
+
+
+def sub(rid, prompt, new=1, continues=None):
+    d = {"op": "submit", "request_id": rid, "prompt": list(prompt), "max_new_tokens": new}
+    if continues:
+        d["continues"] = continues
+    return d
+
+
+def step(budget):
+    return {"op": "step", "budget": budget}
+
+
+def drain(budget=1024):
+    return {"op": "drain", "budget": budget}
+
+
+def abort(rid):
+    return {"op": "abort", "request_id": rid}
+
+
+# Shared token material: a "system prompt" and distinct user turns.
+SYS = [11, 12, 13, 14, 15, 16, 17, 18]  # two full blocks
+U1, U2, U3 = [21, 22, 23], [31, 32, 33, 34, 35], [41, 42]
+
+SCENARIOS: dict[str, dict] = {}
+
+
+def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_config=None):
+    SCENARIOS[name] = {
+        "schema": "hybrid-cache-conformance/repro",
+        "schema_version": 2,
+        "title": title,
+        "upstream": upstream,
+        "bug_class": bug_class,
+        "description": description,
+        "impl": "reference",
+        "implementation": "reference",
+        "mutant": mutant,
+        "faults": [],
+        "seed": 0,
+        "impl_config": {"block_size": B, "num_kv_blocks": 64, "num_state_slots": 24, "options": {},
+                        **(impl_config or {})},
+        "model": {},
+        "steps": steps,
+    }
+
+
+# -- the four original mutants ---------------------------------------------------------
+
+scenario(
+    "late-snapshot-published-too-late", "late-snapshot", "SNAP",
+    "late snapshot: the state published for a block boundary holds a later position",
+    ["sglang#32606", "sglang#29792"],
+    "A request with a shared 8-token prefix publishes a snapshot at each block boundary, but keeps extending "
+    "the same slot, so the slot registered as 'state after 4 tokens' ends up holding the state after 8 (then "
+    "after 11). A second request that shares only the first block resumes from that state.",
+    [sub("first", SYS + U1), drain(), sub("second", SYS[:4] + U2), drain()])
+
+scenario(
+    "snapshot-copy-drops-conv", "snapshot-without-conv", "SNAP",
+    "copy-before-extend copies the matrix state but not the conv state",
+    ["sglang#34184"],
+    "The second request hits the snapshot after the shared prefix. The copy into its running slot takes only "
+    "the SSM matrix state; the conv window stays whatever that slot held before (here: fresh), so the first "
+    "new token mixes the wrong last conv_width-1 inputs, as a hit decoding from another request's conv "
+    "checkpoint does.",
+    [sub("warm", SYS + U1), drain(), sub("hit", SYS + U2), drain()])
+
+scenario(
+    "hit-one-token-past-the-state", "hit-off-by-one", "SPEC",
+    "prefix hit reported one token longer than the reused recurrent state",
+    ["vllm#43559", "vllm#53912"],
+    "MambaManager.find_longest_cache_hit ignoring drop_eagle_block reports a hit longer than the state it "
+    "can restore. Here the KV matches 10 tokens (two full blocks and two tokens of the first request's tail "
+    "block), the newest snapshot is the state after 8, and the cache reports a hit at 9 with that state: "
+    "token 8 is never fed to the recurrent layers.",
+    [sub("warm", SYS + U1), drain(), sub("hit", SYS + U1[:2] + [61, 62]), drain()])
+
+scenario(
+    "shared-block-freed-while-in-use", "free-while-referenced", "LIFETIME",
+    "a finishing request returns shared blocks to the free list while another request still reads them",
+    ["sglang#27038", "TRT-LLM#8813"],
+    "After a warm-up caches the system prompt, requests a and b both hit it and hold its blocks together. "
+    "a finishes first and drops the shared blocks outright (refcount forced to 0): b still reads them on "
+    "its next step while they sit on the free list, where the next allocation would overwrite them.",
+    [sub("warm", SYS + U1), drain(), sub("a", SYS + U2), sub("b", SYS + U3, new=4), drain()])
+
+
+# -- the mutants added for the catalogue ------------------------------------------------
+
+scenario(
+    "snapshot-under-wrong-boundary", "snapshot-wrong-boundary", "SNAP",
+    "a state is published under the start of the block it ends instead of its end",
+    ["vllm#54076"],
+    "An index-for-boundary slip ((computed - 1) // B * B): after computing 8 tokens the state is registered "
+    "as 'the state after 4', after 11 as 'the state after 8'. A request sharing only the first block resumes "
+    "from the state of a longer sequence (vllm#54076 published states under boundaries computed with the "
+    "wrong block size).",
+    [sub("first", SYS + U1), drain(), sub("second", SYS[:4] + U2), drain()])
+
+P16 = SYS + [19, 20, 21, 22, 23, 24, 25, 26]
+scenario(
+    "attention-hit-without-recurrent-state", "unreconciled-groups", "TIER",
+    "attention KV restored past the recurrent snapshot: computed tokens advance for every group",
+    ["LMCache#2845", "LMCache#2863", "LMCache#2879", "vllm#53505"],
+    "Snapshots are kept every 8 tokens (interval 8); the KV of 12 tokens is cached. The groups are not "
+    "reconciled: the hit length is the attention hit (12) while the recurrent state comes from the snapshot "
+    "after 8, so tokens 8..11 never reach the recurrent layers, as when a connector restores attention KV "
+    "but not the recurrent state and num_computed_tokens advances anyway.",
+    [sub("warm", P16), drain(), sub("hit", P16[:12] + [61, 62, 63]), drain()],
+    impl_config={"options": {"interval": 8}})
+
+scenario(
+    "last-block-leaked-on-free", "leak-on-free", "LIFETIME",
+    "freeing a request keeps a reference on its last block: bookkeeping diverges from what is held",
+    ["sglang#12007"],
+    "An off-by-one loop bound releases every block but the last. Nothing reads wrong data, but once the "
+    "request finished and nothing runs, a block is still referenced: the pool shrinks with every request "
+    "until admission stalls (the class of sglang#12007's 'Mamba Radix tree sanity check failed': the "
+    "cache's own accounting no longer matches what is held).",
+    [sub("only", SYS + U1), drain()])
+
+scenario(
+    "hit-block-evicted-while-in-use", "evict-referenced", "LIFETIME",
+    "a prefix hit revives a free cached block without taking it off the eviction queue",
+    ["sglang#27038", "TRT-LLM#8813"],
+    "With 7 KV blocks, the warm-up leaves the system prompt cached in free blocks. Request a hits them (a "
+    "reference is taken, but they stay on the free queue); request b, admitted in the same step, needs "
+    "five blocks and the allocator evicts a's hit blocks and hands them to b while a still reads them.",
+    [sub("warm", SYS + U1), drain(), sub("a", SYS + U2, new=4), sub("b", [51, 52, 53, 54, 55, 56, 57, 58, 59, 60,
+                                                                   61, 62, 63, 50, 49, 48, 47]), drain()],
+    impl_config={"num_kv_blocks": 7})
+
+scenario(
+    "partial-tail-shared-by-length", "hash-ignores-partial", "HASH",
+    "the key of a prefix ending inside a block covers the tail's length, not its tokens",
+    ["openvinotoolkit/model_server#4376", "vllm#50235"],
+    "The warm-up's 10-token prompt leaves a cached tail block [21, 22] and the snapshot after 10. The next "
+    "prompt shares the two full blocks but continues [23, 24, ...]; a key made of the full blocks and the "
+    "tail's length matches the other tail, so it reuses KV and state of different tokens.",
+    [sub("warm", SYS + [21, 22]), drain(), sub("other-tail", SYS + [23, 24, 25, 26]), drain()])
+
+scenario(
+    "chunk-end-block-cached-as-full", "cached-before-written", "SNAP",
+    "after a chunk that ends inside a block, the block is published as full",
+    ["vllm#34587"],
+    "A 2-token budget computes positions 0 and 1 of an 11-token prompt, but the block is registered by the "
+    "tokens the request knows (its prompt), i.e. as holding positions 0..3. A reader sharing that block "
+    "would read never-written KV (vllm#34587: a 1866-token chunk against a 2048-token block, hashed as "
+    "full).",
+    [sub("writer", SYS + U1), step(2), sub("reader", SYS[:4] + U2), drain()])
+
+scenario(
+    "short-chunk-overwrites-shared-state", "short-chunk-conv-overwrite", "SNAP",
+    "a prefill chunk shorter than the conv window writes through the shared prefix's state",
+    ["vllm#56196"],
+    "The second request hits the snapshot after 8 tokens and has 2 tokens left, fewer than conv_width - 1 "
+    "= 3. The short-chunk path updates the state in place in the *shared* snapshot slot instead of its own "
+    "copy, so the snapshot registered as 'after 8 tokens' now holds the state after 10, and a third request "
+    "with the same prefix resumes from it.",
+    [sub("warm", SYS + U1), drain(), sub("short", SYS + [1, 2]), drain(), sub("third", SYS + U2), drain()])
+
+
+def main(names: list[str]) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, doc in SCENARIOS.items():
+        if names and name not in names:
+            continue
+        head = {k: v for k, v in doc.items() if k != "steps"}
+        text = json.dumps(head, indent=2)[:-2] + ',\n  "steps": [\n'
+        text += ",\n".join("    " + json.dumps(s) for s in doc["steps"]) + "\n  ]\n}\n"
+        json.loads(text)  # the hand-made layout must still be JSON
+        (OUT / f"{name}.json").write_text(text)
+        print(f"wrote {OUT / (name + '.json')}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,125 @@
+"""A failure found by the suite leaves a repro file; ``replay`` re-executes it
+deterministically (exit 1 against the mutant, 0 against the clean reference)
+and rejects malformed files with exit 2, naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase, settings
+
+from conformance.cli import main as cli
+from conformance.repro_format import ReproFormatError, parse
+from conformance.run import RunOptions, run
+
+# Shrinking a stateful example costs minutes on a busy CI machine; the first
+# failing example is a valid (if longer) repro, which is what is tested here.
+settings.register_profile("conformance-no-shrink", phases=(Phase.explicit, Phase.reuse, Phase.generate))
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    previous = settings._current_profile
+    settings.load_profile("conformance-no-shrink")
+    try:
+        result = run(RunOptions(mutant="late-snapshot", checks=("mid-block-hits",), examples=20, steps=6,
+                                report_dir=out, seed=3))
+    finally:
+        settings.load_profile(previous)
+    return out, result
+
+
+def test_a_mutant_failure_leaves_a_repro(found):
+    out, result = found
+    check = result.checks[0]
+    assert check.status == "failed"
+    path = out / "repros" / "mid-block-hits--late-snapshot.json"
+    assert path.exists() and check.failure.repro == str(path)
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "hybrid-cache-conformance/repro" and doc["schema_version"] == 2
+    for key in ("implementation", "implementation_version", "impl", "seed", "impl_config", "model", "steps",
+                "mutant", "faults", "failure", "title", "harness"):
+        assert key in doc, key
+    assert doc["mutant"] == "late-snapshot" and doc["impl"] == "reference"
+    assert doc["impl_config"]["block_size"] == 4 and doc["model"]["vocab_size"] == 64
+    parse(doc)  # what run writes, replay reads
+
+
+def test_replay_reproduces_on_the_mutant_and_not_on_the_reference(found, capsys):
+    path = str(Path(found[0]) / "repros" / "mid-block-hits--late-snapshot.json")
+    assert cli(["replay", path]) == 1
+    out = capsys.readouterr().out
+    assert "REPRODUCED" in out and ">>" in out  # the witness marks the failing operation
+    assert cli(["replay", path, "--mutant", "none"]) == 0
+    assert "not reproduced" in capsys.readouterr().out
+    # Another implementation than the file's drops the file's mutant (with a note).
+    assert cli(["replay", path, "--impl", "conformance.adapters.reference:ReferenceCache"]) == 0
+    assert "not applied" in capsys.readouterr().err
+
+
+def _scenario() -> dict:
+    return json.loads(Path("fixtures/scenarios/late-snapshot-published-too-late.json").read_text())
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d["steps"][2].update(prompt=[]), "steps[2].prompt: must be a non-empty list of token ids"),
+    (lambda d: d["steps"][0].update(prompt=[1, 2, 999]), "steps[0].prompt: token 999 is outside"),
+    (lambda d: d["steps"][0].update(prompt="1 2 3"), "steps[0].prompt: must be a non-empty list of token ids"),
+    (lambda d: d["steps"][1].update(budget=0), "steps[1].budget: must be a positive integer"),
+    (lambda d: d["steps"][1].update(op="explode"), "steps[1].op: unknown operation"),
+    (lambda d: d["steps"][2].update(request_id="first"), "steps[2].request_id: 'first' is submitted twice"),
+    (lambda d: d.update(steps=[]), "steps: must be a non-empty list"),
+    (lambda d: d.update(schema_version=99), "schema_version: 99 is not supported"),
+    (lambda d: d.pop("schema"), "schema: must be"),
+    (lambda d: d["model"].update(vocab=3), "model.vocab: unknown model setting"),
+    (lambda d: d["impl_config"].update(block_size="4"), "impl_config.block_size: must be a positive integer"),
+    (lambda d: d.update(mutant=7), "mutant: must be a mutant name"),
+    (lambda d: d.update(impl="os:system"), "impl: the file names 'os:system'"),
+    (lambda d: d.update(mutant="no-such-mutant"), "unknown mutant 'no-such-mutant'"),
+])
+def test_malformed_files_exit_2_naming_the_field(tmp_path, capsys, mutate, field):
+    doc = _scenario()
+    mutate(doc)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    assert cli(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert field in err, err
+
+
+def test_not_json_and_not_an_object(tmp_path, capsys):
+    (tmp_path / "a.json").write_text("{not json")
+    (tmp_path / "b.json").write_text("[1, 2]")
+    assert cli(["replay", str(tmp_path / "a.json")]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert cli(["replay", str(tmp_path / "b.json")]) == 2
+    assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_a_module_named_in_a_file_is_never_imported_without_consent(tmp_path, capsys, monkeypatch):
+    """Importing runs code: a file naming module:Class needs --impl or --trust-impl."""
+    pkg = tmp_path / "evil_impl.py"
+    marker = tmp_path / "imported"
+    pkg.write_text(f"open({str(marker)!r}, 'w').close()\nclass Cache: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    doc = _scenario()
+    doc["impl"] = "evil_impl:Cache"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    assert cli(["replay", str(path)]) == 2
+    assert "--trust-impl" in capsys.readouterr().err
+    assert not marker.exists()
+    # With consent the module is imported (and found wanting: a usage error, exit 2).
+    assert cli(["replay", str(path), "--trust-impl"]) == 2
+    assert marker.exists()
+    assert "does not meet the contract" in capsys.readouterr().err
+
+
+def test_parse_rejects_bool_seed():
+    doc = _scenario()
+    doc["seed"] = True
+    with pytest.raises(ReproFormatError, match="seed: must be an integer"):
+        parse(doc)

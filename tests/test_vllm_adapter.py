@@ -16,7 +16,6 @@ pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm]")
 from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
 from conformance.contract import ImplConfig, Layout  # noqa: E402
-from conformance.guard import ImplementationError  # noqa: E402
 from conformance.model import ModelConfig, TinyHybrid  # noqa: E402
 from conformance.ops import Abort, Drain, Step, Submit  # noqa: E402
 from conformance.oracle import Oracle  # noqa: E402
@@ -168,12 +167,57 @@ def test_generic_sequence_passes_unmutated(model, oracle):
     assert s.coverage["prefix_hits"] >= 2
 
 
-@pytest.mark.parametrize("mutant", sorted(VLLM_MUTANTS))
+def tier_ops():
+    """A second tier in play: a prompt computed block by block (the store gets
+    every boundary), a flood that evicts it locally, a request leaving a
+    sub-block local entry, then requests that find a local hit ending inside a
+    block and a longer external one."""
+    ops = [Submit("a", SHARED + (20,), 2), Drain(4)]
+    for i in range(5):
+        ops += [Submit(f"f{i}", tuple(range(30 + 3 * i, 45 + 3 * i)), 1), Drain(64)]
+    ops += [Submit("p", SHARED[:10] + (40,), 1), Drain(64)]
+    ops += [Submit("b", SHARED + (20, 21, 22, 23, 24, 26), 2), Drain(64),
+            Submit("c", SHARED + (20, 21, 22, 27), 2), Submit("d", SHARED[:9] + (28,), 2), Drain(5)]
+    return ops
+
+
+def make_tiered(model, oracle, divergent, mutant=None):
+    s = make(model, oracle, num_blocks=24, mutant=mutant, connector={"divergent": divergent})
+    s.impl.attach_memory(s.memory)
+    return s
+
+
+@pytest.mark.parametrize("divergent", [False, True])
+def test_store_tier_through_connector(model, oracle, divergent):
+    """vLLM's scheduler reconciles local hits with the store's external hits
+    (sub-block local tails dropped when the store is longer); loaded KV and
+    states give reference logits."""
+    s = make_tiered(model, oracle, divergent)
+    apply_all(s, tier_ops())
+    store = s.impl.connector.store
+    assert store.loads > 0 and store.loaded_tokens > 0
+    assert s.impl.connector.supports_divergent_local_hybrid_hits is divergent
+    # the scheduler offered block-aligned local hits and the store claimed beyond them
+    assert any(claimed > 0 and offered % B == 0 for _, offered, claimed in s.impl.connector.log)
+
+
+@pytest.mark.parametrize("mutant", ["vllm-state-wrong-position", "vllm-groups-not-reconciled"])
 def test_mutant_is_caught(model, oracle, mutant):
     s = make(model, oracle, mutant=mutant)
-    with pytest.raises((ConformanceFailure, ImplementationError)):
+    with pytest.raises(ConformanceFailure) as caught:
         for op in generic_ops(s):
             s.apply(op)
+    assert caught.value.kind in ("logits", "invariant")
+
+
+@pytest.mark.parametrize("mutant", sorted(VLLM_MUTANTS))
+@pytest.mark.parametrize("divergent", [False, True])
+def test_mutant_is_caught_with_a_tier(model, oracle, mutant, divergent):
+    s = make_tiered(model, oracle, divergent, mutant=mutant)
+    with pytest.raises(ConformanceFailure) as caught:
+        for op in tier_ops():
+            s.apply(op)
+    assert caught.value.kind in ("logits", "invariant")
 
 
 def test_mutants_are_documented_and_registered():

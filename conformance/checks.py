@@ -24,6 +24,9 @@ class CheckSpec:
     max_active: int = 3
     max_new_tokens: int = 3
     options: dict = field(default_factory=dict)
+    # Observers run after every step (conformance.retention.OBSERVERS); a check
+    # with any is skipped for an implementation that declares no retention().
+    observe: tuple[str, ...] = ()
 
     def impl_config(self, **overrides) -> ImplConfig:
         base = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
@@ -49,6 +52,17 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("snapshot-reuse", "snapshot",
               "recurrent snapshots reused across requests, with aborts and decode in between",
               frozenset({"abort", "step", "continue"}), ("snapshot_reuse", "aborts")),
+    # The declared retention policy (default here: interval 8 and second-hit
+    # together; --option overrides).  Reusing less than promised is a
+    # performance bug, so it is its own family: "hit-rate".
+    CheckSpec("retention-policy", "retention",
+              "states cached only at declared checkpoints; second-hit admission never admits a first sighting",
+              frozenset({"continue", "step"}), ("checkpoints_offered", "prefix_hits"),
+              options={"interval": 8, "admission": "second-hit"}, observe=("retention",)),
+    CheckSpec("retention-hit-rate", "hit-rate",
+              "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
+              frozenset({"continue", "step"}), ("checkpoints_offered", "state_lookups", "prefix_hits"),
+              options={"interval": 8}, observe=("hit-rate",)),
 )
 
 MIXED = CheckSpec("mixed", "mixed", "every rule at once", frozenset({"continue", "step", "abort", "pressure"}),

@@ -191,6 +191,18 @@ class CacheImplementation(Protocol):
 
 REQUIRED_METHODS = ("layout", "add_request", "schedule", "update", "abort", "view")
 
+# Optional, so adapters written before it keep working (not in the Protocol,
+# which ``isinstance`` would then demand):
+#
+#   retention() -> dict   the retention policy as plain data, e.g.
+#       {"interval": None | I (0 = prompt ends only), "admission": "always" | "second-hit",
+#        "prompt_ends": True, "sequence_ends": bool}
+#
+# An implementation that declares one is checked against it (families
+# "retention" and "hit-rate", see conformance/retention.py); one that does not
+# has those checks skipped.
+OPTIONAL_METHODS = ("retention",)
+
 
 def missing_methods(obj: object) -> list[str]:
     """Names of contract methods ``obj`` lacks (used for clear usage errors)."""

@@ -27,6 +27,7 @@ from .contract import ImplConfig
 from .guard import ImplementationError
 from .model import TinyHybrid
 from .ops import Abort, Drain, Op, Step, Submit, op_to_dict
+from .retention import OBSERVERS
 from .oracle import Oracle
 from .session import COUNTERS, ConformanceFailure, make_session
 
@@ -70,6 +71,8 @@ def build_machine(impl_factory, spec: CheckSpec, model: TinyHybrid, oracle: Orac
             self.session = make_session(impl, impl_config, model, oracle, timeout=timeout)
             if wrap is not None:
                 wrap(self.session)
+            for name in spec.observe:  # checks run after every step (conformance/retention.py)
+                self.session.observers.append(OBSERVERS[name](self.session))
 
         # -- plumbing ------------------------------------------------------------
         def apply(self, op: Op) -> None:

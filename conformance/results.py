@@ -31,6 +31,7 @@ class CheckResult:
     coverage: dict[str, int] = field(default_factory=dict)
     failure: Failure | None = None
     reason: str = ""  # for skipped checks
+    metrics: dict = field(default_factory=dict)  # cache metrics measured during the check (conformance/metrics.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

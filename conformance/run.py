@@ -17,6 +17,7 @@ from .adapters import UsageError, resolve
 from .checks import PROFILES, CheckSpec, get_check
 from .guard import ImplementationError
 from .machine import Recorder, build_machine, hypothesis_settings
+from .metrics import CacheMetrics, merge_summaries
 from .model import ModelConfig, TinyHybrid
 from .oracle import Oracle
 from .results import CheckResult, Failure, RunResult
@@ -127,7 +128,8 @@ def run(opts: RunOptions) -> RunResult:
         raise
     finally:
         result.finished = _now()
-        result.metrics = {"reference_runs": oracle.reference_runs}
+        result.metrics = {"reference_runs": oracle.reference_runs,
+                          "cache": merge_summaries([c.metrics for c in result.checks if c.metrics])}
         if opts.shard:
             result.metrics["shard"] = f"{opts.shard[0]}/{opts.shard[1]}"
         if parallel is not None:
@@ -165,9 +167,18 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     examples = opts.examples or profile.examples
     steps = opts.steps or profile.steps
     impl_config = check_impl_config(spec, opts)
+    if spec.observe and isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
+        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           reason="the implementation declares no retention policy (optional retention() method)")
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
                                                     steps=r.steps, of=examples))
-    wrap = env.attach if env is not None else None
+    cache_metrics = CacheMetrics()
+
+    def wrap(session):
+        cache_metrics.attach(session)
+        if env is not None:
+            env.attach(session)
+
     machine = build_machine(factory, spec, model, oracle, recorder, impl_config, timeout=opts.timeout, wrap=wrap)
     test = get_state_machine_test(machine, settings=hypothesis_settings(spec, examples, steps))
     test = hypothesis_seed(opts.seed * 1000 + index)(test)
@@ -196,4 +207,4 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
                        examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
-                       failure=failure)
+                       failure=failure, metrics=cache_metrics.summary())

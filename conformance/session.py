@@ -56,6 +56,9 @@ class Session:
     timeout: float | None = 30.0
     history: History = field(default_factory=History)
     coverage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    # Called after every executed step as obs.after_step(session, plan, view_before, finished):
+    # retention checks and metrics read plans and views without touching the core.
+    observers: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         missing = missing_methods(self.impl)
@@ -68,6 +71,8 @@ class Session:
         self.runner = Runner(self.model, self.memory)
         self.tracks: dict[str, _Track] = {}
         self._cached_before: set = set()
+        self.last_view = None  # the view after the latest step or abort (before the next schedule)
+        self.plan_view = None  # the view taken right after the latest schedule()
 
     # -- operations ------------------------------------------------------------------
     def apply(self, op: Op) -> None:
@@ -117,6 +122,7 @@ class Session:
     def _step(self, budget: int) -> None:
         if not self.active():
             return
+        view_before = self.last_view
         plan: StepPlan = self._call("schedule", budget)
         if not isinstance(plan, StepPlan):
             raise ConformanceFailure("contract", f"schedule() returned {type(plan).__name__}, not StepPlan")
@@ -129,7 +135,7 @@ class Session:
                                                   f"for {STALL_STEPS} steps")
             return
         self._stalled = 0
-        view = self._call("view")
+        view = self.plan_view = self._call("view")
         self._fail_if("invariant", check_tables_referenced(view, plan, self.layout.block_size))
         self._validate(plan)
         self._count_before(plan)
@@ -168,6 +174,8 @@ class Session:
             raise ConformanceFailure("contract", f"requests {late} generated all their tokens but update() did "
                                                  f"not report them finished")
         self._check_invariants()
+        for obs in self.observers:
+            obs.after_step(self, plan, view_before, list(finished or ()))
 
     def _validate(self, plan: StepPlan) -> None:
         for rs in plan.requests:
@@ -202,7 +210,7 @@ class Session:
                 c["decode_steps"] += 1
 
     def _check_invariants(self) -> None:
-        view = self._call("view")
+        view = self.last_view = self._call("view")
         cached = {("kv", e.block, e.tokens) for e in view.cached_kv} | {("s", e.slot, e.tokens) for e in view.cached_states}
         self.coverage["evictions"] += len(self._cached_before - cached)
         self._cached_before = cached

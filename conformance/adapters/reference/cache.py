@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ...contract import (FRESH, RESUME, CachedKV, CachedState, CacheView, ImplConfig, Layout, Request,
                          RequestStep, StateInit, StepPlan, StepResult, copy_from)
 from .block_pool import ROOT, BlockPool, chain
-from .policy import RetentionPolicy
+from .policy import RetentionPolicy, Sightings
 from .state_pool import StatePool
 
 
@@ -34,6 +34,7 @@ class _Req:
     slot: int | None = None
     init: StateInit = FRESH
     pins: list[tuple[str, int]] = field(default_factory=list)  # held until the step ran
+    offered: int = -1  # last position offered for retention: one sighting per request and position
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ReferenceCache:
         self.policy = RetentionPolicy.from_options(config.options, self.B)
         self.kv = BlockPool(config.num_kv_blocks)
         self.states = StatePool(config.num_state_slots)
+        self.sightings = Sightings()
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
         self.stats = {"lookups": 0, "hit_tokens": 0, "snapshots": 0}
@@ -107,6 +109,10 @@ class ReferenceCache:
             return
         self._unpin(req)
         self._free(req)
+
+    def retention(self) -> dict:
+        """The declared policy (optional in the contract): the harness checks it."""
+        return self.policy.declaration(self.B)
 
     def view(self) -> CacheView:
         return CacheView(
@@ -223,12 +229,23 @@ class ReferenceCache:
         """The running slot holds the state at ``computed``: register it in
         place, and continue from a copy in a fresh slot next step."""
         prefix = tuple(req.tokens[: req.computed])
+        if req.offered == req.computed:  # a prompt end that is also the sequence end: one sighting
+            return
+        req.offered = req.computed
+        if not self._should_admit(prefix):
+            return  # the request keeps extending its slot: nothing to copy
         if self.states.register(prefix, req.slot):
             self.stats["snapshots"] += 1
             # The request's reference becomes a pin until the copy has run.
             req.pins.append(("state", req.slot))
             req.init = copy_from(req.slot)
             req.slot = None
+
+    def _should_admit(self, prefix: tuple[int, ...]) -> bool:
+        """Admission: every checkpoint, or (second-hit) only a prefix sighted before."""
+        if self.policy.admission == "always":
+            return True  # no need to count what is never consulted
+        return self.sightings.see(prefix) >= 2
 
     def _register_tail(self, req: _Req) -> None:
         """At the end of a request its partly filled last block is reusable too."""

@@ -1,0 +1,145 @@
+"""Checks of a declared retention policy, run after every step of a session.
+
+An implementation may declare its policy with an optional ``retention()``
+method (see ``contract.OPTIONAL_METHODS``)::
+
+    {"interval": None | I, "admission": "always" | "second-hit",
+     "prompt_ends": True, "sequence_ends": bool}
+
+From it the harness derives, per request, the *checkpoints*: the prompt end,
+every multiple of I that is computed (of the block size when I is None; none
+when I = 0) and, with ``sequence_ends``, the last computed position of a
+request that finished.  A *sighting* is one request computing through a
+checkpoint (not reusing it), once per request and position.
+
+Two families, reported apart because they are different kinds of bug:
+
+- ``retention`` (a policy violation): a state cached at a position the policy
+  never checkpoints (with I = 0 only prompt and sequence ends), or, under
+  second-hit admission, a prefix admitted on its first sighting.
+- ``hit-rate`` (a performance bug, logits stay right): a checkpoint the policy
+  admits (always, or from the second sighting on) that is not cached right
+  after the step that reached it, or a new request that reused less than the
+  longest prefix whose KV and state the cache held when it was scheduled.
+"""
+
+from __future__ import annotations
+
+from .reuse import INDEXES, LookupWindow
+from .session import ConformanceFailure
+
+FAMILIES = ("retention", "hit-rate")
+
+
+def declared_retention(session) -> dict | None:
+    """The implementation's declared policy, validated; None if it declares none."""
+    if not callable(getattr(session.impl, "retention", None)):
+        return None
+    decl = session._call("retention")
+    if decl is None:
+        return None
+    if not isinstance(decl, dict):
+        raise ConformanceFailure("contract", f"retention() returned {type(decl).__name__}, not a dict")
+    interval = decl.get("interval")
+    admission = decl.get("admission", "always")
+    if interval is not None and (not isinstance(interval, int) or interval < 0):
+        raise ConformanceFailure("contract", f"retention(): interval must be None or an integer >= 0, got {interval!r}")
+    if admission not in ("always", "second-hit"):
+        raise ConformanceFailure("contract", f"retention(): unknown admission {admission!r}")
+    return {"interval": interval, "admission": admission, "prompt_ends": bool(decl.get("prompt_ends", True)),
+            "sequence_ends": bool(decl.get("sequence_ends", False))}
+
+
+class RetentionChecker:
+    """A session observer raising failures of one family (``report``)."""
+
+    def __init__(self, session, report: str):
+        if report not in FAMILIES:
+            raise ValueError(f"unknown retention check {report!r}")
+        self.report = report
+        self.decl = declared_retention(session)
+        self.B = session.layout.block_size
+        self.sightings: dict[tuple[int, ...], int] = {}
+        self.admissible: set[tuple[int, ...]] = set()  # prefixes the policy allowed to be cached
+        self.offered: dict[str, set[int]] = {}  # request -> positions it offered
+        self.window = LookupWindow()
+
+    # -- the declared checkpoints ---------------------------------------------------
+    def checkpoints(self, start: int, end: int, prompt_len: int) -> list[int]:
+        interval = self.decl["interval"]
+        step = self.B if interval is None else interval
+        out = {prompt_len} if self.decl["prompt_ends"] and start < prompt_len <= end else set()
+        if step > 0:
+            out.update(range((start // step + 1) * step, end + 1, step))
+        return sorted(q for q in out if q > 0)
+
+    # -- observer -------------------------------------------------------------------
+    def after_step(self, session, plan, view_before, finished: list[str]) -> None:
+        if self.decl is None:
+            return
+        now = INDEXES.get(session.last_view, self.B)
+        if self.report == "hit-rate":
+            self._check_lookups(session, plan, view_before)
+        offered: list[tuple[str, int, tuple[int, ...]]] = []
+        for rs in plan.requests:
+            track = session.tracks[rs.request_id]
+            qs = self.checkpoints(rs.start, rs.end, track.prompt_len)
+            if rs.request_id in finished and self.decl["sequence_ends"]:
+                qs.append(track.computed)
+            mine = self.offered.setdefault(rs.request_id, set())
+            for q in qs:
+                if q not in mine:
+                    mine.add(q)
+                    prefix = track.tokens[:q]
+                    self.sightings[prefix] = self.sightings.get(prefix, 0) + 1
+                    offered.append((rs.request_id, q, prefix))
+        cov = session.coverage
+        for rid, q, prefix in offered:
+            n = self.sightings[prefix]  # after the whole step: two requests may sight it together
+            cov["checkpoints_offered"] = cov.get("checkpoints_offered", 0) + 1
+            admit = self.decl["admission"] == "always" or n >= 2
+            if self.decl["admission"] == "second-hit":
+                key = "first_sightings" if n == 1 else "repeat_sightings"
+                cov[key] = cov.get(key, 0) + 1
+            if admit:
+                self.admissible.add(prefix)
+            if not admit and prefix in now.states:
+                self._fail("retention", f"request {rid}: the state after {q} tokens was admitted on its first "
+                                        f"sighting, but the declared admission is second-hit")
+            if admit and prefix not in now.states:
+                why = "reached" if self.decl["admission"] == "always" else f"sighted {n} times"
+                self._fail("hit-rate", f"request {rid}: checkpoint at position {q} ({why}) is not cached after "
+                                       f"the step, though the declared policy {self._policy()} keeps it")
+        before = INDEXES.get(view_before, self.B)
+        for prefix in now.states - before.states:
+            if prefix not in self.admissible:
+                self._fail("retention", f"a state after {len(prefix)} tokens was cached, a position the declared "
+                                        f"policy {self._policy()} never checkpoints (or has not admitted yet)")
+
+    def _check_lookups(self, session, plan, view_before) -> None:
+        """A new request reuses the longest prefix whose KV and state the cache
+        held at every schedule() since it was submitted (see LookupWindow)."""
+        # (an implementation that lists no KV in its view is never held to a
+        # reuse: without KV, nothing is servable)
+        for rid, (_kv, best) in self.window.observe(session, plan, view_before).items():
+            rs = next(r for r in plan.requests if r.request_id == rid)
+            session.coverage["state_lookups"] = session.coverage.get("state_lookups", 0) + 1
+            if rs.start < best:
+                self._fail("hit-rate", f"request {rid} reused {rs.start} tokens, but the cache held the KV and the "
+                                       f"state of its first {best} tokens at every schedule() since it was submitted")
+
+    def _policy(self) -> str:
+        i = self.decl["interval"]
+        return f"(interval={'block' if i is None else i}, admission={self.decl['admission']})"
+
+    def _fail(self, kind: str, message: str) -> None:
+        if kind == self.report:
+            raise ConformanceFailure(kind, message)
+
+
+def observer(report: str):
+    """A factory ``session -> observer`` for ``CheckSpec.observe``."""
+    return lambda session: RetentionChecker(session, report)
+
+
+OBSERVERS = {family: observer(family) for family in FAMILIES}

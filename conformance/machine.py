@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, note, settings
+from hypothesis import HealthCheck, Phase, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, initialize, precondition, rule
 
@@ -154,8 +154,10 @@ def build_machine(impl_factory, spec: CheckSpec, model: TinyHybrid, oracle: Orac
     return HybridCacheMachine
 
 
-def hypothesis_settings(spec: CheckSpec, examples: int, steps: int, database=None) -> settings:
-    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=database,
+def hypothesis_settings(spec: CheckSpec, examples: int, steps: int, database=None, shrink: bool = True) -> settings:
+    # shrink=False: the caller minimizes the failing operations itself (conformance/minimize.py)
+    phases = tuple(Phase) if shrink else tuple(p for p in Phase if p is not Phase.shrink)
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=database, phases=phases,
                     derandomize=False, report_multiple_bugs=False, print_blob=False,
                     suppress_health_check=list(HealthCheck))
 

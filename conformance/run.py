@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import get_state_machine_test
 
@@ -43,6 +44,10 @@ class RunOptions:
     block_size: int | None = None
     progress: object = None  # callable(event: str, **info)
     write_reports: bool = True
+    stop_at_failure: bool = False  # skip the remaining checks once one fails (the mutants self-check)
+    # "hypothesis": Hypothesis shrinks the failing example; "ops": it does not, and the failing
+    # operations are minimized by replay instead (conformance/minimize.py: seconds, not minutes).
+    shrink: str = "hypothesis"
     shard: tuple[int, int] | None = None  # (i, n), 1 <= i <= n: run every n-th check (CI runners)
     workers: int = 1  # processes on this machine (conformance.parallel)
 
@@ -93,6 +98,9 @@ def prepare(opts: RunOptions):
 
 def run(opts: RunOptions) -> RunResult:
     factory, name, specs, model_config, env = prepare(opts)
+    # The model's tensors are tiny: intra-op threads only add synchronization,
+    # which on a loaded CPU makes each step tens of times slower.
+    torch.set_num_threads(1)
     model = TinyHybrid(model_config)
     oracle = Oracle(model)  # shared: the reference of a sequence never changes
     version = str(getattr(factory, "version", "unknown"))
@@ -123,6 +131,8 @@ def run(opts: RunOptions) -> RunResult:
             result.checks.append(res)
             record_check(out, result, res, spec, opts)
             notify("check-end", check=spec.id, result=res)
+            if opts.stop_at_failure and res.status in ("failed", "error"):
+                break
     except KeyboardInterrupt:
         result.interrupted = True
         raise
@@ -180,7 +190,8 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
             env.attach(session)
 
     machine = build_machine(factory, spec, model, oracle, recorder, impl_config, timeout=opts.timeout, wrap=wrap)
-    test = get_state_machine_test(machine, settings=hypothesis_settings(spec, examples, steps))
+    test = get_state_machine_test(machine, settings=hypothesis_settings(spec, examples, steps,
+                                                                        shrink=opts.shrink != "ops"))
     test = hypothesis_seed(opts.seed * 1000 + index)(test)
     started = time.perf_counter()
     status, failure = "passed", None
@@ -192,6 +203,8 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         first = recorder.first_failure or (None, None)
         failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
                           examples_to_failure=first[0], seconds_to_failure=first[1])
+        if opts.shrink == "ops" and steps_data:
+            minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, not swallowed silently
@@ -208,3 +221,34 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
                        examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary())
+
+
+def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, model, oracle, opts: RunOptions,
+                     env=None) -> None:
+    """Shorten ``failure.steps`` by replaying subsets (same failure kind), in place."""
+    from .minimize import minimize, replay_fails
+    from .ops import op_from_dict, op_to_dict
+
+    def attach(session):
+        if env is not None:
+            env.attach(session)
+        if getattr(spec, "observe", ()):
+            from .retention import OBSERVERS
+
+            session.observers.extend(OBSERVERS[name](session) for name in spec.observe)
+
+    def outcome(ops):
+        return replay_fails(factory, impl_config, model, oracle, ops, attach, timeout=opts.timeout)
+
+    def still_fails(ops) -> bool:
+        exc, _ = outcome(ops)
+        return exc is not None and exc.kind == failure.kind
+
+    ops = [op_from_dict(d) for d in failure.steps]
+    if not still_fails(ops):
+        return  # not reproducible by replay (it depended on state across examples): keep it as it is
+    best = minimize(ops, still_fails)
+    exc, session = outcome(best)
+    failure.steps = [op_to_dict(op) for op in best]
+    failure.message = str(exc)
+    failure.events = list(session.history.events)[-12:]

@@ -1,0 +1,143 @@
+"""``hybrid-conformance mutants``: the suite's self-check.
+
+Runs the suite against every mutant registered for an implementation (a
+seeded, realistic bug in one decision), stopping each mutant's run at its
+first failing check, and writes ``mutants.json``: which check caught which
+mutant, after how many examples and seconds, and how short the minimized
+repro is.  A mutant the suite misses means the suite has a blind spot, so the
+exit status is 0 only when every mutant is detected.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..adapters import UsageError
+from ..run import RunOptions, run
+from .common import add_impl_options, parse_options
+
+# A failure of these kinds says nothing about the mutant: the situation never
+# occurred (coverage) or the harness itself crashed.
+NOT_DETECTION = ("coverage", "harness")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("mutants", help="check that the suite detects every registered mutant")
+    add_impl_options(p)
+    p.add_argument("--only", default="", help="only these mutants, comma separated")
+    p.add_argument("--profile", default="quick", help="quick, standard or nightly (default quick)")
+    p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
+    p.add_argument("--examples", type=int, default=None, help="Hypothesis examples per check (overrides profile)")
+    p.add_argument("--steps", type=int, default=None, help="operations per example (overrides profile)")
+    p.set_defaults(func=main)
+
+
+def mutants_for(impl: str) -> list:
+    """The registered mutants that apply to ``impl`` (vLLM's only for ``vllm``:
+    importing them needs vLLM)."""
+    from fault_injection.registry import MUTANTS, _load_builtin
+
+    _load_builtin()
+    target = "vllm" if impl == "vllm" else "reference"
+    if target == "vllm":
+        from fault_injection import vllm_mutants  # noqa: F401  (registers on import)
+    return [m for m in MUTANTS.values() if m.target == target]
+
+
+def select(mutants: list, only: str) -> list:
+    if not only:
+        return mutants
+    wanted = [n.strip() for n in only.split(",") if n.strip()]
+    known = {m.name for m in mutants}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise UsageError(f"--only: unknown mutant(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return [m for m in mutants if m.name in wanted]
+
+
+def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
+    """One mutant through the suite, up to its first failing check."""
+    opts = RunOptions(**{**base.__dict__, "mutant": mutant.name, "report_dir": report_dir,
+                         "stop_at_failure": True, "progress": None, "shrink": "ops"})
+    started = time.perf_counter()
+    result = run(opts)
+    entry = {"name": mutant.name, "class": mutant.bug_class, "description": mutant.description,
+             "detected": False, "check": None, "kind": None, "message": None,
+             "examples_to_detection": None, "seconds_to_detection": None, "repro_steps": None, "repro": None,
+             "checks_run": [c.id for c in result.checks], "seconds": round(time.perf_counter() - started, 3),
+             "report_dir": str(report_dir)}
+    # Detection cost counts every check run before the one that caught it:
+    # that is what the suite spent to find the bug.
+    examples_before = seconds_before = 0
+    for c in result.checks:
+        f = c.failure
+        if c.status in ("failed", "error") and f is not None:
+            entry.update(detected=f.kind not in NOT_DETECTION, check=c.id, kind=f.kind, message=f.message[:500],
+                         repro_steps=len(f.steps) if f.steps else None, repro=f.repro)
+            if f.examples_to_failure is not None:
+                entry["examples_to_detection"] = examples_before + f.examples_to_failure
+                entry["seconds_to_detection"] = round(seconds_before + f.seconds_to_failure, 3)
+            break
+        examples_before += c.examples
+        seconds_before += c.seconds
+    return entry
+
+
+def summarize(entries: list[dict]) -> dict:
+    secs = sorted(e["seconds_to_detection"] for e in entries if e["detected"] and e["seconds_to_detection"] is not None)
+    steps = [e["repro_steps"] for e in entries if e["repro_steps"] is not None]
+    median = (secs[len(secs) // 2] if len(secs) % 2 else (secs[len(secs) // 2 - 1] + secs[len(secs) // 2]) / 2) \
+        if secs else None
+    return {"mutants": len(entries), "detected": sum(e["detected"] for e in entries),
+            "missed": [e["name"] for e in entries if not e["detected"]],
+            "median_seconds_to_detection": median, "max_seconds_to_detection": secs[-1] if secs else None,
+            "max_repro_steps": max(steps) if steps else None}
+
+
+def table(entries: list[dict]) -> str:
+    rows = [("mutant", "class", "detected", "check", "kind", "examples", "seconds", "repro ops")]
+    for e in entries:
+        rows.append((e["name"], e["class"], "yes" if e["detected"] else "NO", e["check"] or "-", e["kind"] or "-",
+                     str(e["examples_to_detection"] or "-"), str(e["seconds_to_detection"] or "-"),
+                     str(e["repro_steps"] or "-")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def main(args) -> int:
+    chosen = select(mutants_for(args.impl), args.only)
+    if not chosen:
+        raise UsageError(f"no mutants are registered for --impl {args.impl}")
+    from ..run import default_report_dir
+
+    out = Path(args.report_dir or default_report_dir(f"mutants-{args.impl}", args.seed))
+    out.mkdir(parents=True, exist_ok=True)
+    base = RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, checks=tuple(args.check),
+                      timeout=args.timeout, examples=args.examples, steps=args.steps,
+                      impl_options=parse_options(args.option), block_size=args.block_size)
+    entries = []
+    for i, mutant in enumerate(chosen):
+        print(f"[{i + 1}/{len(chosen)}] {mutant.name} ...", file=sys.stderr, flush=True)
+        entry = run_mutant(mutant, base, out / mutant.name)
+        entries.append(entry)
+        print(f"    {'detected by ' + entry['check'] + ' (' + entry['kind'] + ')' if entry['detected'] else 'NOT DETECTED'}"
+              f" in {entry['seconds']:.1f}s", file=sys.stderr, flush=True)
+        write(out, args.impl, entries)  # after each mutant: an interrupted run keeps what finished
+    doc = write(out, args.impl, entries)
+    print(table(entries))
+    s = doc["summary"]
+    print(f"{s['detected']}/{s['mutants']} mutants detected; median {s['median_seconds_to_detection']} s, "
+          f"max {s['max_seconds_to_detection']} s to detection; longest repro {s['max_repro_steps']} operations; "
+          f"{out / 'mutants.json'}", file=sys.stderr)
+    return 0 if s["detected"] == s["mutants"] else 1
+
+
+def write(out: Path, impl: str, entries: list[dict]) -> dict:
+    doc = {"implementation": impl, "summary": summarize(entries), "mutants": entries}
+    tmp = out / "mutants.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(out / "mutants.json")
+    return doc

@@ -1,0 +1,75 @@
+"""The suite's self-check: every registered reference mutant is caught by the
+general checks (logits against the no-cache reference, generic invariants),
+with a short repro, and the ``mutants`` command reports it."""
+
+import json
+
+import pytest
+
+from conformance.cli import main
+from conformance.commands.mutants import mutants_for, run_mutant, summarize
+from conformance.run import RunOptions
+
+REFERENCE_MUTANTS = sorted(m.name for m in mutants_for("reference"))
+
+
+def test_the_registry_holds_the_seeded_bugs():
+    expected = {"late-snapshot", "snapshot-without-conv", "hit-off-by-one", "free-while-referenced",
+                "snapshot-wrong-boundary", "unreconciled-groups", "leak-on-free", "evict-referenced",
+                "hash-ignores-partial", "cached-before-written", "short-chunk-conv-overwrite"}
+    assert expected <= set(REFERENCE_MUTANTS)
+
+
+@pytest.mark.parametrize("name", REFERENCE_MUTANTS)
+def test_mutant_is_detected_with_a_short_repro(name, tmp_path):
+    from fault_injection import get_mutant
+
+    entry = run_mutant(get_mutant(name), RunOptions(profile="quick"), tmp_path / name)
+    assert entry["detected"], f"{name} escaped the suite: checks run {entry['checks_run']}"
+    assert entry["kind"] not in ("coverage", "harness")
+    assert entry["repro_steps"] is not None and entry["repro_steps"] <= 8, entry
+    assert entry["examples_to_detection"] >= 1 and entry["seconds_to_detection"] >= 0
+    repro = json.loads(open(entry["repro"]).read())
+    assert repro["mutant"] == name and len(repro["steps"]) == entry["repro_steps"]
+
+
+def test_the_reference_itself_is_not_flagged(tmp_path):
+    """The mutants' checks pass on the correct cache: a detection means the bug."""
+    from conformance.run import run
+
+    result = run(RunOptions(checks=("mid-block-hits", "multi-turn-replay"), examples=8, report_dir=tmp_path))
+    assert result.ok, [c.failure for c in result.checks]
+
+
+def test_mutants_command_writes_mutants_json_and_exit_code(tmp_path, capsys):
+    rc = main(["mutants", "--only", "late-snapshot,leak-on-free", "--report-dir", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "mutants.json").read_text())
+    assert [m["name"] for m in doc["mutants"]] == ["late-snapshot", "leak-on-free"]
+    for m in doc["mutants"]:
+        assert m["detected"] and m["check"] and m["class"] and m["repro_steps"] <= 8
+    assert doc["summary"]["detected"] == 2
+    assert "late-snapshot" in capsys.readouterr().out
+
+
+def test_an_undetected_mutant_fails_the_command(tmp_path, monkeypatch):
+    """A "mutant" that changes nothing is never detected: exit 1, detected false."""
+    from fault_injection.registry import MUTANTS, Mutant
+
+    monkeypatch.setitem(MUTANTS, "no-op", Mutant("no-op", "NONE", "changes nothing", "reference", lambda f: f))
+    rc = main(["mutants", "--only", "no-op", "--check", "mid-block-hits", "--examples", "3",
+               "--report-dir", str(tmp_path)])
+    assert rc == 1
+    doc = json.loads((tmp_path / "mutants.json").read_text())
+    assert doc["mutants"][0]["detected"] is False and doc["summary"]["missed"] == ["no-op"]
+
+
+def test_unknown_mutant_is_a_usage_error(tmp_path):
+    assert main(["mutants", "--only", "no-such-bug", "--report-dir", str(tmp_path)]) == 2
+
+
+def test_summary_median_and_max():
+    entries = [{"name": n, "detected": True, "seconds_to_detection": s, "repro_steps": 3}
+               for n, s in (("a", 1.0), ("b", 3.0), ("c", 10.0))]
+    s = summarize(entries)
+    assert s["median_seconds_to_detection"] == 3.0 and s["max_seconds_to_detection"] == 10.0

@@ -36,9 +36,9 @@ def oracle(model):
     return Oracle(model)
 
 
-def make(model, oracle, num_blocks=64, mutant=None, **options):
+def make(model, oracle, num_blocks=64, mutant=None, block_size=B, **options):
     options.setdefault("prefix_match_unit", 1)
-    impl = VllmCache(ImplConfig(block_size=B, num_kv_blocks=num_blocks, num_state_slots=num_blocks,
+    impl = VllmCache(ImplConfig(block_size=block_size, num_kv_blocks=num_blocks, num_state_slots=num_blocks,
                                 options=options))
     if mutant is not None:
         impl = VLLM_MUTANTS[mutant](impl)
@@ -144,6 +144,24 @@ def test_retention_sweep(model, oracle):
                       Submit("b", SHARED + (20, 21, 22, 23, 30), 2), Submit("c", SHARED[:9] + (31,), 2), Drain(5),
                       Submit("d", SHARED + (20, 21, 22, 23, 30, 31), 2), Drain(64)])
         assert s.coverage["prefix_hits"] > 0, interval
+
+
+@pytest.mark.parametrize("block_size,unit,interval,admission", [
+    (4, 4, 0, "second-hit"), (4, 2, None, "second-hit"), (8, 1, 0, "always"), (8, 4, 16, "second-hit"),
+    (2, 1, None, "always")])
+def test_configuration_sweep(model, oracle, block_size, unit, interval, admission):
+    """Block sizes, prefix match units, retention intervals and the admission
+    option (vLLM has no switch for its Marconi junctions: "always" is accepted
+    and behaves like "second-hit"; see docs/vllm-adapter.md)."""
+    s = make(model, oracle, block_size=block_size, prefix_match_unit=unit, retention_interval=interval,
+             admission=admission)
+    apply_all(s, [Submit("a", SHARED + (20, 21, 22, 23, 24), 2), Submit("b", SHARED + (30, 31), 2), Step(5),
+                  Drain(64), Submit("c", SHARED + (20, 21, 22, 23, 25), 2), Submit("d", SHARED[:9] + (32,), 2),
+                  Drain(7)])
+    apply_all(s, [Submit("e", s.tracks["a"].tokens + (40,), 2, "a"), Drain(64)])
+    assert s.coverage["prefix_hits"] > 0
+    if unit < block_size:
+        assert s.coverage["mid_block_hits"] > 0
 
 
 # A realistic, generic sequence (shared prefixes, a continuation, small

@@ -260,7 +260,8 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
     items = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, _, _ in tr.requests()))
     dtype = opts.get("dtype") or opts["fixture_dtype"]
     exact = bool(opts.get("exact", opts.get("device", "cpu") == "cpu"))
-    off_engine = VllmEngine(v.model, False, opts)
+    # The references never carry a planted fault.
+    off_engine = VllmEngine(v.model, False, {k: val for k, val in opts.items() if k != "fault"})
     off = CacheOffReference(off_engine, batch_size=int(opts.get("max_num_seqs", 8)))
     hf = None if opts.get("skip_transformers") else TransformersReference(v.model, opts)
     tol = None

@@ -44,7 +44,7 @@ class VllmEngine:
     def _worker_options(self) -> dict:
         keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
                 "block_size", "mamba_ssm_cache_dtype", "mamba_cache_mode", "gpu_memory_utilization",
-                "enforce_eager", "mamba2_checkpoint_workaround", "enable_chunked_prefill")
+                "enforce_eager", "mamba2_checkpoint_workaround", "enable_chunked_prefill", "fault")
         opts = {k: self.options[k] for k in keys if self.options.get(k) is not None}
         opts["prefix_caching"] = self.prefix_caching
         if self.options.get("device", "cpu") != "cpu":

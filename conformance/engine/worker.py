@@ -41,10 +41,27 @@ def _patch_mamba2_checkpoint() -> None:
     mm2.MambaMixer2.get_kv_cache_spec = spec
 
 
+# Faults planted in the engine on purpose, to show the checks are not vacuous
+# (a check that cannot fail proves nothing).  Each breaks one cache path only.
+def _fault_skip_state_copy() -> None:
+    """vLLM's align-mode state copy (previous block -> running block, before the
+    forward pass) is skipped: a hit starts from whatever the running block holds
+    instead of the cached recurrent state (as does a prompt whose prefill
+    crosses a block boundary in chunks, which align mode also carries this way)."""
+    from vllm.v1.worker import mamba_utils
+
+    mamba_utils.do_mamba_copy_block = lambda copy_bufs: None
+
+
+FAULTS = {"skip-state-copy": _fault_skip_state_copy}
+
+
 class VllmHost:
     def __init__(self, model_dir: str, options: dict):
         if options.get("mamba2_checkpoint_workaround"):
             _patch_mamba2_checkpoint()
+        if options.get("fault"):
+            FAULTS[options["fault"]]()
         import vllm
         from vllm import LLM
 

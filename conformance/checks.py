@@ -78,7 +78,7 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", examples=12, steps=10, checks=CHECKS),
+    "quick": Profile("quick", examples=25, steps=12, checks=CHECKS),
     "standard": Profile("standard", examples=60, steps=20, checks=CHECKS + (MIXED,)),
     "nightly": Profile("nightly", examples=400, steps=40, checks=CHECKS + (MIXED,)),
 }

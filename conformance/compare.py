@@ -163,3 +163,20 @@ def format_expectations(result_dict: dict, expectations_path: str | Path) -> tup
     ok = not fails and not passes
     lines.append("as expected" if ok else "NOT as expected")
     return "\n".join(lines), ok
+
+
+EXPECTATIONS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "expectations"
+
+
+def find_expectations(impl: str, version: str, directory: Path = EXPECTATIONS_DIR) -> Path | None:
+    """The expectations file written for this adapter (``impl``) and engine
+    version, so that validating an installed engine needs no flag."""
+    for path in sorted(directory.glob("*.toml")):
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        if doc.get("impl") == impl and doc.get("version") == version:
+            return path
+    return None

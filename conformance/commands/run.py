@@ -74,10 +74,15 @@ def main(args) -> int:
     print(f"{result.implementation} {result.implementation_version}: {summary['passed']} passed, "
           f"{summary['failed']} failed, {summary['error']} errors; reports in {result.metrics.get('report_dir')}",
           file=sys.stderr)
-    if args.expectations:
+    expectations = args.expectations
+    if expectations is None and result.implementation != "reference" and not args.mutant:
+        from ..compare import find_expectations
+
+        expectations = find_expectations(args.impl, result.implementation_version)
+    if expectations:
         from ..compare import format_expectations
 
-        text, as_expected = format_expectations(result.to_dict(), args.expectations)
+        text, as_expected = format_expectations(result.to_dict(), expectations)
         print(text, file=sys.stderr)
         return 0 if as_expected and not result.interrupted else 1
     return 0 if result.ok else 1

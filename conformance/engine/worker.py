@@ -53,7 +53,24 @@ def _fault_skip_state_copy() -> None:
     mamba_utils.do_mamba_copy_block = lambda copy_bufs: None
 
 
-FAULTS = {"skip-state-copy": _fault_skip_state_copy}
+def _fault_zero_state() -> None:
+    """The align-mode state copy writes zeros instead (CPU only: raw memset):
+    a hit's recurrent layers start from an empty state, as if the cached state
+    were lost while the attention KV is kept.  Stronger than skip-state-copy,
+    whose stale block often still holds a near-identical state (a block freed by
+    a request sharing the prefix is the first one handed out again)."""
+    import ctypes
+
+    from vllm.v1.worker import mamba_utils
+
+    def zero(copy_bufs):
+        for i in range(copy_bufs.offset):
+            ctypes.memset(int(copy_bufs.dst_ptrs.np[i]), 0, int(copy_bufs.sizes.np[i]))
+
+    mamba_utils.do_mamba_copy_block = zero
+
+
+FAULTS = {"skip-state-copy": _fault_skip_state_copy, "zero-state": _fault_zero_state}
 
 
 class VllmHost:

@@ -81,7 +81,9 @@ class RunnerState:
         tables = self.requests[rid].tables
         mamba = tables[MAMBA_GROUP]
         prev = self.prev_state_idx(rid, start)
-        curr = cdiv(end, self.mamba_block_size) + self.num_spec_blocks - 1 - self.num_spec_blocks
+        # preprocess_mamba: the running state lives in the last non-speculative block.
+        num_blocks = cdiv(end, self.mamba_block_size) + self.num_spec_blocks
+        curr = num_blocks - 1 - self.num_spec_blocks
         self.mamba_state_idx[rid] = curr
         if prev == -1:
             init = FRESH

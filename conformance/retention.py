@@ -98,9 +98,8 @@ class RetentionChecker:
             n = self.sightings[prefix]  # after the whole step: two requests may sight it together
             cov["checkpoints_offered"] = cov.get("checkpoints_offered", 0) + 1
             admit = self.decl["admission"] == "always" or n >= 2
-            if self.decl["admission"] == "second-hit":
-                key = "first_sightings" if n == 1 else "repeat_sightings"
-                cov[key] = cov.get(key, 0) + 1
+            key = "first_sightings" if n == 1 else "repeat_sightings"
+            cov[key] = cov.get(key, 0) + 1
             if admit:
                 self.admissible.add(prefix)
             if not admit and prefix in now.states:

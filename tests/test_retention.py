@@ -1,0 +1,141 @@
+"""Retention policies of the reference and the checks of a declared policy
+(families "retention" and "hit-rate"), including the two retention mutants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conformance.adapters.reference import ReferenceCache
+from conformance.checks import PROFILES, get_check
+from conformance.contract import ImplConfig
+from conformance.metrics import CacheMetrics
+from conformance.model import ModelConfig, TinyHybrid
+from conformance.ops import Drain, Submit
+from conformance.oracle import Oracle
+from conformance.retention import RetentionChecker
+from conformance.run import RunOptions, run_check
+from conformance.session import ConformanceFailure, make_session
+from fault_injection import get_mutant
+
+torch.set_num_threads(1)  # the tiny model gains nothing from threads; a loaded CPU loses a lot
+
+POLICIES = [{}, {"interval": 0}, {"interval": 8}, {"admission": "second-hit"},
+            {"interval": 8, "admission": "second-hit"}, {"interval": 0, "admission": "second-hit"}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyHybrid(ModelConfig())
+
+
+@pytest.fixture(scope="module")
+def oracle(model):
+    return Oracle(model)
+
+
+def session(model, oracle, options, factory=ReferenceCache, checks=("retention", "hit-rate")):
+    s = make_session(factory, ImplConfig(block_size=4, num_kv_blocks=64, num_state_slots=24, options=options),
+                     model, oracle)
+    s.metrics = CacheMetrics()
+    s.metrics.attach(s)
+    for family in checks:
+        s.observers.append(RetentionChecker(s, family))
+    return s
+
+
+def mixed_traffic(s, seed=0):
+    """Prompts cut around block boundaries from one base, chunked and whole,
+    with decode and a multi-turn continuation."""
+    rnd = random.Random(seed)
+    base = tuple(rnd.randrange(64) for _ in range(24))
+    n = 0
+    for _ in range(3):
+        for cut in (5, 8, 9, 13, 16, 17):
+            n += 1
+            s.apply(Submit(f"r{n}", base[:cut] + (rnd.randrange(64),), 2))
+            s.apply(Drain(3 if n % 2 else 1024))
+    s.apply(Submit("c1", s.tracks[f"r{n}"].tokens + (1, 2), 2, continues=f"r{n}"))
+    s.apply(Drain(1024))
+
+
+@pytest.mark.parametrize("options", POLICIES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "dense")
+def test_reference_keeps_its_declared_policy(model, oracle, options):
+    s = session(model, oracle, options)
+    mixed_traffic(s)  # logits, invariants and both retention families are checked on every step
+    assert s.impl.retention()["admission"] == options.get("admission", "always")
+    assert s.coverage["checkpoints_offered"] > 0 and s.coverage["state_lookups"] > 0
+
+
+def test_interval_zero_keeps_prompt_and_sequence_ends_only(model, oracle):
+    s = session(model, oracle, {"interval": 0})
+    mixed_traffic(s)
+    ends = {t.tokens[: t.prompt_len] for t in s.tracks.values()} | {t.tokens[: t.computed] for t in s.tracks.values()}
+    cached = {e.tokens for e in s.impl.view().cached_states}
+    assert cached and cached <= ends
+
+
+def test_interval_checkpoints_every_multiple_reached(model, oracle):
+    s = session(model, oracle, {"interval": 8}, checks=())
+    prompt = tuple(range(1, 21))  # 20 tokens: multiples 8 and 16, prompt end 20
+    s.apply(Submit("a", prompt, 1))
+    s.apply(Drain(5))  # chunks of 5 tokens: the checkpoints fall inside chunks
+    cached = {len(e.tokens) for e in s.impl.view().cached_states}
+    assert {8, 16, 20} <= cached and not cached - {8, 16, 20}
+
+
+def test_second_hit_admits_on_the_second_sighting_only(model, oracle):
+    s = session(model, oracle, {"interval": 0, "admission": "second-hit"})
+    prompt = tuple(range(3, 12))
+    cached = lambda: {e.tokens for e in s.impl.view().cached_states}  # noqa: E731
+    s.apply(Submit("first", prompt, 1))
+    s.apply(Drain(1024))
+    assert prompt not in cached()  # first sighting: the prefix exists, nothing more
+    s.apply(Submit("second", prompt, 1))
+    s.apply(Drain(1024))
+    assert prompt in cached()  # second sighting: it is shared
+    s.apply(Submit("third", prompt + (40,), 1))
+    s.apply(Drain(1024))
+    assert s.metrics.first_start["third"] == len(prompt)  # and reused from then on
+
+
+def test_undeclared_policy_is_skipped(model, oracle):
+    class Silent(ReferenceCache):
+        retention = None
+
+    res = run_check(Silent, get_check("retention-policy"), model, oracle, RunOptions(), PROFILES["quick"], 0)
+    assert res.status == "skipped" and "retention" in res.reason
+
+
+def test_drop_prompt_end_checkpoint_is_a_hit_rate_failure(model, oracle):
+    mutant = get_mutant("drop-prompt-end-checkpoint").wrap(ReferenceCache)
+    mixed_traffic(session(model, oracle, {"interval": 8}, mutant, checks=("retention",)))  # no policy violation...
+    with pytest.raises(ConformanceFailure) as exc:
+        mixed_traffic(session(model, oracle, {"interval": 8}, mutant, checks=("hit-rate",)))
+    assert exc.value.kind == "hit-rate"  # ...a performance bug, reported apart
+
+
+def test_admit_first_sighting_is_a_retention_failure(model, oracle):
+    mutant = get_mutant("admit-first-sighting").wrap(ReferenceCache)
+    with pytest.raises(ConformanceFailure) as exc:
+        mixed_traffic(session(model, oracle, {"admission": "second-hit"}, mutant, checks=("retention",)))
+    assert exc.value.kind == "retention"
+
+
+@pytest.mark.parametrize("check, mutant, kind", [
+    ("retention-policy", None, None),
+    ("retention-hit-rate", None, None),
+    # drop-prompt-end-checkpoint through the machine: tests/test_mutants.py (shrinking it is slow)
+    ("retention-policy", "admit-first-sighting", "retention"),
+])
+def test_checks_through_the_machine(model, oracle, check, mutant, kind):
+    factory = get_mutant(mutant).wrap(ReferenceCache) if mutant else ReferenceCache
+    spec = get_check(check)
+    res = run_check(factory, spec, model, oracle, RunOptions(examples=8, steps=8), PROFILES["quick"], 0)
+    if mutant is None:
+        assert res.status == "passed", res.failure
+        assert res.metrics["requests"] > 0 and 0 <= res.metrics["state_hit_rate"] <= res.metrics["kv_hit_rate"] <= 1
+    else:
+        assert (res.status, res.family, res.failure.kind) == ("failed", spec.family, kind)

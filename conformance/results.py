@@ -72,4 +72,8 @@ class RunResult:
         d["schema_version"] = SCHEMA_VERSION
         d["coverage"] = self.coverage
         d["summary"] = {s: sum(c.status == s for c in self.checks) for s in STATUSES}
+        # Of the failures, those that are performance bugs (reuse below the declared
+        # retention policy; logits were right): reported apart from correctness.
+        d["summary"]["hit_rate_failures"] = sum(c.status == "failed" and c.failure is not None
+                                                and c.failure.kind == "hit-rate" for c in self.checks)
         return d

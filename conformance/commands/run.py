@@ -71,9 +71,11 @@ def main(args) -> int:
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     result = run(opts)
     summary = result.to_dict()["summary"]
+    perf = (f" ({summary['hit_rate_failures']} of them hit-rate: reuse below the declared policy, logits right)"
+            if summary.get("hit_rate_failures") else "")
     print(f"{result.implementation} {result.implementation_version}: {summary['passed']} passed, "
-          f"{summary['failed']} failed, {summary['error']} errors; reports in {result.metrics.get('report_dir')}",
-          file=sys.stderr)
+          f"{summary['failed']} failed{perf}, {summary['error']} errors; reports in "
+          f"{result.metrics.get('report_dir')}", file=sys.stderr)
     expectations = args.expectations
     if expectations is None and result.implementation != "reference" and not args.mutant:
         from ..compare import find_expectations

@@ -119,13 +119,48 @@ class RequestStep:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """One copy between device memory and the harness's host store.
+
+    ``offload`` copies device block/slot ``device`` into host entry ``key``;
+    ``load`` copies host entry ``key`` into ``device``.  Transfers run before the
+    step's copies and computations; their completion comes back in
+    :attr:`StepResult.transfers`, possibly a step later and in any order, and
+    a load's data is only trustworthy once its checksum is verified.
+    """
+
+    id: int  # unique per implementation: completions are matched by it, never by position
+    direction: Literal["offload", "load"]
+    kind: Literal["kv", "state"]
+    key: str
+    device: int  # KV block (kind "kv") or state slot (kind "state")
+    request_id: str | None = None  # the request a load is for (faults can target it)
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("offload", "load") or self.kind not in ("kv", "state"):
+            raise ValueError(f"bad transfer {self}")
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """A completed transfer.  ``checksum``: for an offload, of the source bytes
+    (what the store keeps to verify against); for a load, of the bytes that
+    landed on the device.  ``ok`` False: nothing usable arrived (``error`` says why)."""
+
+    id: int
+    ok: bool
+    checksum: str | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One engine step.  Copies happen before any request is computed."""
 
     requests: tuple[RequestStep, ...] = ()
     kv_copies: tuple[tuple[int, int], ...] = ()  # (src block, dst block)
     state_copies: tuple[tuple[int, int], ...] = ()  # (src slot, dst slot)
-    transfers: tuple = ()  # reserved for tiers / workers
+    transfers: tuple[Transfer, ...] = ()  # host-tier offloads and loads, run first
 
 
 @dataclass(frozen=True)
@@ -133,6 +168,7 @@ class StepResult:
     """What the harness hands back after executing a plan."""
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
+    transfers: tuple[TransferDone, ...] = ()  # completions since the last step
 
 
 @dataclass(frozen=True)

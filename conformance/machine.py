@@ -155,7 +155,10 @@ def build_machine(impl_factory, spec: CheckSpec, model: TinyHybrid, oracle: Orac
 
         @precondition(lambda self: "pressure" in enabled and self.session is not None
                       and not self.session.active())
-        @rule(junk=st.lists(scenarios.tokens(vocab, 4 * B), min_size=2, max_size=3))
+        # Junk long enough that one round turns over most of the pool: shorter
+        # prompts only take never-used blocks and never evict anything reused.
+        @rule(junk=st.lists(scenarios.tokens(vocab, max(4 * B, min(max_len, impl_config.num_kv_blocks // 3 * B) - 1)),
+                            min_size=2, max_size=3))
         def pressure(self, junk):
             """Distinct long prompts, run to completion: cached entries must be evicted."""
             for prompt in junk:

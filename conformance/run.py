@@ -146,6 +146,8 @@ def run(opts: RunOptions) -> RunResult:
             result.metrics.update(parallel.metrics())
         if env is not None and parallel is None:  # workers' faults were merged as they came
             result.faults = env.report()
+        if result.faults and not result.interrupted:
+            check_faults_exercised(result)
         if out is not None:
             report.write_all(out, result)
             result.metrics["report_dir"] = str(out)
@@ -252,3 +254,18 @@ def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, mo
     failure.steps = [op_to_dict(op) for op in best]
     failure.message = str(exc)
     failure.events = list(session.history.events)[-12:]
+
+
+def check_faults_exercised(result: RunResult) -> None:
+    """A fault that never fired proves nothing: the run fails, as a check of its own."""
+    idle = []
+    for name, info in result.faults.items():
+        info["exercised"] = bool(info.get("fired"))  # recomputed: workers' reports are merged by summing
+        if not info["exercised"]:
+            idle.append(name)
+    if idle:
+        hint = result.faults[idle[0]].get("hint", "")
+        result.checks.append(CheckResult(
+            id="faults-exercised", family="fault-injection", status="failed",
+            description="every injected environment fault fired at least once",
+            failure=Failure(kind="coverage", message=f"faults never fired: {', '.join(idle)}" + (f" ({hint})" if hint else ""))))

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .contract import ContractError, RequestStep, StepPlan
+from .contract import ContractError, RequestStep, StepPlan, TransferDone
 from .memory import Memory, Prefix
 from .model import TinyHybrid
+from .transport import Transport
 
 
 @dataclass
@@ -34,9 +35,16 @@ class Runner:
     def __init__(self, model: TinyHybrid, memory: Memory):
         self.model = model
         self.memory = memory
+        self.transport = Transport(memory)  # the host tier; faults interpose on it
+        self.completed: list[TransferDone] = []  # this step's transfer completions, for update()
+
+    def run_transfers(self, plan: StepPlan) -> list[TransferDone]:
+        self.completed = self.transport.run(tuple(plan.transfers))
+        return self.completed
 
     def execute(self, plan: StepPlan, tokens: dict[str, Prefix]) -> list[Executed]:
         mem = self.memory
+        self.run_transfers(plan)
         for src, dst in plan.kv_copies:
             mem.copy_block(src, dst)
         for src, dst in plan.state_copies:

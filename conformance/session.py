@@ -128,6 +128,9 @@ class Session:
             raise ConformanceFailure("contract", f"schedule() returned {type(plan).__name__}, not StepPlan")
         self.history.plan(plan)
         self.coverage["steps"] += 1
+        if not plan.requests and (plan.transfers or self.runner.transport.busy()):
+            self._transfers_only(plan)  # requests wait for their loads: progress, not a stall
+            return
         if not plan.requests:
             self._stalled = getattr(self, "_stalled", 0) + 1
             if self._stalled >= STALL_STEPS:
@@ -160,7 +163,7 @@ class Session:
                 track.tokens += (tok,)
                 track.generated += 1
                 sampled[rs.request_id] = tok
-        finished = self._call("update", plan, StepResult(sampled))
+        finished = self._call("update", plan, StepResult(sampled, transfers=tuple(self.runner.completed)))
         for rid in finished or ():
             track = self.tracks.get(rid)
             if track is None or track.done:
@@ -176,6 +179,15 @@ class Session:
         self._check_invariants()
         for obs in self.observers:
             obs.after_step(self, plan, view_before, list(finished or ()))
+
+    def _transfers_only(self, plan: StepPlan) -> None:
+        try:
+            done = self.runner.run_transfers(plan)
+        except ContractError as exc:
+            raise ConformanceFailure("contract", str(exc)) from None
+        if self._call("update", plan, StepResult(transfers=tuple(done))):
+            raise ConformanceFailure("contract", "update() finished requests in a step that computed nothing")
+        self._check_invariants()
 
     def _validate(self, plan: StepPlan) -> None:
         for rs in plan.requests:
@@ -214,7 +226,9 @@ class Session:
         cached = {("kv", e.block, e.tokens) for e in view.cached_kv} | {("s", e.slot, e.tokens) for e in view.cached_states}
         self.coverage["evictions"] += len(self._cached_before - cached)
         self._cached_before = cached
-        self._fail_if("invariant", check_view(view, self.memory, idle=not self.active()))
+        self._fail_if("invariant", check_view(view, self.memory,
+                                                 # memory held for a transfer in flight is not leaked
+                                                 idle=not self.active() and not self.runner.transport.busy()))
 
     def _fail_if(self, kind: str, problems: list[str]) -> None:
         if problems:

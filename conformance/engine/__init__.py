@@ -24,23 +24,24 @@ from .workloads import FAMILIES, Size
 IMPLEMENTATION = "vllm-engine"
 ALL = tuple(FAMILIES)
 
-# Why these models: Qwen3Next must run in bf16 on CPU (GDN kernel); its
-# default-init fixture keeps the bf16 noise small (cache-off noise ~0.004 nats,
-# 0.0036 against transformers), so the thresholds are tight.  The sharp
-# variants (initializer_range 0.3) put logprobs near -1, so a wrong state moves
-# the argmax; in bf16 that also amplifies kernel noise (~0.14 nats), so the
-# sharp Qwen3Next runs in "full".  Granite (Mamba2, fp32) runs without the
+# Why these models: Qwen3Next must run in bf16 on CPU (GDN kernel).  Its
+# default-init fixture is quiet (bf16 noise ~0.004 nats) but blind: zeroing
+# the recurrent state of every hit (planted fault "zero-state") moved its
+# logprobs by at most 0.014, since its GDN layers barely reach the logits.  The
+# sharp fixture (initializer_range 0.3, logprobs near -1) is noisier (~0.04)
+# but the same fault moves it by 0.7-1.5 nats (10 against transformers), so
+# the quick profile uses it.  Granite (Mamba2, fp32) runs without the
 # checkpoint workaround in every profile, because the crash is the engine's
 # defect to report; "full" adds a patched run so the rest of its cache gets tested.
 PROFILES: dict[str, dict] = {
     "quick": {"size": Size(ks=(1, 2), conversations=2, turns=3, repeats=3, groups=3, group_size=3,
                            flood_factor=1.5, max_blocks=3),
-              "variants": [("qwen3next-tiny", "", ALL, {}),
+              "variants": [("qwen3next-tiny-sharp", "", ALL, {}),
                            ("granite-hybrid-tiny-sharp", "", ("mid-block",), {})]},
     "full": {"size": Size(ks=(1, 2, 3), conversations=3, turns=4, repeats=4, groups=4, group_size=4,
                           flood_factor=2.0, max_blocks=4),
-             "variants": [("qwen3next-tiny", "", ALL, {}),
-                          ("qwen3next-tiny-sharp", "", ALL, {}),
+             "variants": [("qwen3next-tiny-sharp", "", ALL, {}),
+                          ("qwen3next-tiny", "", ALL, {}),
                           ("granite-hybrid-tiny-sharp", "", ("mid-block",), {}),
                           ("granite-hybrid-tiny-sharp", "ckpt-workaround", ALL,
                            {"mamba2_checkpoint_workaround": True})]},

@@ -23,6 +23,7 @@ class BlockPool:
         self.children: dict[int, dict[tuple[int, ...], int]] = {}
         # block -> (parent key, block tokens, whole prefix through the block)
         self.meta: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
+        self.on_evict = None  # callback(block, meta) before cached content is overwritten (host tier)
 
     # -- allocation ----------------------------------------------------------------
     def num_free(self) -> int:
@@ -32,6 +33,8 @@ class BlockPool:
         if not self.free:
             return None
         block, _ = self.free.popitem(last=False)
+        if self.on_evict is not None and block in self.meta:
+            self.on_evict(block, self.meta[block])
         self.unregister(block)
         self.ref[block] = 1
         return block

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ...contract import (FRESH, RESUME, CachedKV, CachedState, CacheView, ImplConfig, Layout, Request,
                          RequestStep, StateInit, StepPlan, StepResult, copy_from)
 from .block_pool import ROOT, BlockPool, chain
+from .host_tier import HostTier
 from .policy import RetentionPolicy, Sightings
 from .state_pool import StatePool
 
@@ -61,6 +62,8 @@ class ReferenceCache:
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
         self.stats = {"lookups": 0, "hit_tokens": 0, "snapshots": 0}
+        # Optional second tier: evicted entries go to the harness's host store (host_tier.py).
+        self.tier = HostTier(self) if config.options.get("host_tier") else None
 
     # -- contract ------------------------------------------------------------------
     def layout(self) -> Layout:
@@ -72,10 +75,16 @@ class ReferenceCache:
 
     def schedule(self, budget: int) -> StepPlan:
         steps, kv_copies = [], []
+        if self.tier is not None:
+            self.tier.plan_loads(self.waiting)
         for req in list(self.waiting):
+            if self.tier is not None and self.tier.is_loading(req.request_id):
+                continue  # admitted once its loads have completed (or failed)
             if self._admit(req, kv_copies):
                 self.waiting.remove(req)
                 self.running.append(req)
+                if self.tier is not None:
+                    self.tier.admitted(req.request_id)
         for req in self.running:
             if budget <= 0:
                 break
@@ -83,10 +92,13 @@ class ReferenceCache:
             if step is not None:
                 steps.append(step)
                 budget -= step.end - step.start
-        return StepPlan(requests=tuple(steps), kv_copies=tuple(kv_copies))
+        return StepPlan(requests=tuple(steps), kv_copies=tuple(kv_copies),
+                        transfers=self.tier.take() if self.tier is not None else ())
 
     def update(self, plan: StepPlan, result: StepResult) -> list[str]:
         finished = []
+        if self.tier is not None:
+            self.tier.complete(result.transfers)
         for step in plan.requests:
             req = self._find(step.request_id)
             req.computed = step.end
@@ -104,6 +116,8 @@ class ReferenceCache:
 
     def abort(self, request_id: str) -> None:
         req = self._find(request_id)
+        if self.tier is not None:
+            self.tier.forget(request_id)
         if req in self.waiting:
             self.waiting.remove(req)
             return

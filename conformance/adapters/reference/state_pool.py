@@ -16,6 +16,7 @@ class StatePool:
         self.free: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
         self.index: dict[tuple[int, ...], int] = {}  # prefix -> slot holding the state after it
         self.snap: dict[int, tuple[int, ...]] = {}  # slot -> prefix
+        self.on_evict = None  # callback(slot, prefix) before a snapshot is overwritten (host tier)
 
     def num_free(self) -> int:
         return len(self.free)
@@ -24,6 +25,8 @@ class StatePool:
         if not self.free:
             return None
         slot, _ = self.free.popitem(last=False)
+        if self.on_evict is not None and slot in self.snap:
+            self.on_evict(slot, self.snap[slot])
         self.unregister(slot)
         self.ref[slot] = 1
         return slot

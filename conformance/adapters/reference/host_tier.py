@@ -1,0 +1,184 @@
+"""A minimal host tier for the reference cache (``options={"host_tier": True}``).
+
+Full KV blocks and snapshots that are about to be evicted are offloaded to
+the harness's host store; a later request whose prefix continues into
+offloaded entries has them loaded back before it is admitted, and then hits
+them on the device like any cached entry.
+
+Everything the host tier receives is distrusted: a load counts only if it
+completed *and* the checksum of what landed equals the checksum the store
+reported for the source bytes at offload time.  A failed, partial, corrupted,
+lost or mismatched load is treated as a miss: the entry is forgotten, the
+destination released, and the request recomputes (so logits stay right,
+only reuse is lost).  Completions are matched by transfer id, never by order,
+and a request waits until all of its loads have completed.  Each request
+gets one round of loads, so a tier that keeps failing cannot starve it.
+"""
+
+from __future__ import annotations
+
+from ...contract import Transfer, TransferDone
+from .block_pool import ROOT, chain
+
+
+def kv_key(prefix: tuple[int, ...]) -> str:
+    return f"kv:{len(prefix)}:{hash(prefix) & 0xFFFFFFFFFFFF:x}"
+
+
+def state_key(prefix: tuple[int, ...]) -> str:
+    return f"state:{len(prefix)}:{hash(prefix) & 0xFFFFFFFFFFFF:x}"
+
+
+class HostTier:
+    def __init__(self, cache):
+        self.cache = cache
+        self.B = cache.B
+        self.entries: dict[str, dict] = {}  # key -> what it holds and its source checksum
+        self.inflight: dict[int, dict] = {}  # transfer id -> what to do on completion
+        self.planned: list[Transfer] = []
+        self.loading: dict[str, set[int]] = {}  # request id -> loads not completed yet
+        self.held: dict[str, list[tuple[str, int]]] = {}  # request id -> loaded entries kept until admission
+        self.tried: set[str] = set()
+        self.aborted: set[str] = set()
+        self.next_id = 0
+        self.stats = {"offloads": 0, "loads": 0, "load_misses": 0}
+        cache.kv.on_evict = self._evict_kv
+        cache.states.on_evict = self._evict_state
+
+    # -- the cache's hooks ---------------------------------------------------------------
+    def is_loading(self, request_id: str) -> bool:
+        return request_id in self.loading
+
+    def take(self) -> tuple[Transfer, ...]:
+        planned, self.planned = self.planned, []
+        return tuple(planned)
+
+    def admitted(self, request_id: str) -> None:
+        """The request took its own references: the tier's hold can go."""
+        for kind, ident in self.held.pop(request_id, []):
+            self._release(kind, ident)
+
+    def forget(self, request_id: str) -> None:
+        self.admitted(request_id)
+        if request_id in self.loading:
+            self.aborted.add(request_id)  # in-flight destinations are released on completion
+
+    def complete(self, done: tuple[TransferDone, ...]) -> None:
+        for d in done:
+            info = self.inflight.pop(d.id, None)
+            if info is None:
+                continue  # not ours (or reported twice): ignore rather than trust
+            if info["direction"] == "offload":
+                if d.ok and d.checksum:
+                    self.entries[info["key"]] = {**info, "checksum": d.checksum}
+                continue
+            self._loaded(info, d)
+
+    # -- offload on eviction ---------------------------------------------------------------
+    def _evict_kv(self, block: int, meta) -> None:
+        parent, block_tokens, prefix = meta
+        if len(block_tokens) == self.B:  # partial tails are cheap to recompute: not worth a transfer
+            self._offload("kv", block, kv_key(prefix), prefix=prefix, parent=parent, block_tokens=block_tokens)
+
+    def _evict_state(self, slot: int, prefix) -> None:
+        self._offload("state", slot, state_key(prefix), prefix=prefix)
+
+    def _offload(self, kind: str, device: int, key: str, **info) -> None:
+        if key in self.entries or any(i["key"] == key for i in self.inflight.values()):
+            return
+        t = self._transfer("offload", kind, key, device, None)
+        self.inflight[t.id] = {"direction": "offload", "kind": kind, "key": key, **info}
+        self.stats["offloads"] += 1
+
+    # -- load before admission -------------------------------------------------------------
+    def plan_loads(self, waiting) -> None:
+        for req in waiting:
+            if req.request_id not in self.loading and req.request_id not in self.tried:
+                self._plan_for(req)
+
+    def _plan_for(self, req) -> None:
+        prompt = req.tokens[: req.prompt_len]
+        on_device = self.cache._match(prompt).length
+        B, parent, chain_ = self.B, ROOT, []
+        for i in range(len(prompt) // B):
+            block_tokens = tuple(prompt[i * B: (i + 1) * B])
+            prefix = tuple(prompt[: (i + 1) * B])
+            block, common = self.cache.kv.lookup(parent, block_tokens)
+            if block is not None and common == B:
+                chain_.append(None)
+            elif kv_key(prefix) in self.entries:
+                chain_.append({"key": kv_key(prefix), "parent": parent, "block_tokens": block_tokens,
+                               "prefix": prefix})
+            else:
+                break
+            parent = chain(parent, block_tokens)
+        for k in range(len(chain_), 0, -1):
+            p = k * B
+            if p <= on_device:
+                return
+            if p >= len(prompt):
+                continue
+            prefix = tuple(prompt[:p])
+            if self.cache.states.lookup(prefix) is not None:
+                state = None
+            elif state_key(prefix) in self.entries:
+                state = {"key": state_key(prefix), "prefix": prefix}
+            else:
+                continue
+            self._load(req.request_id, [c for c in chain_[:k] if c is not None], state)
+            return
+
+    def _load(self, rid: str, blocks: list[dict], state: dict | None) -> None:
+        wanted = [("kv", b) for b in blocks] + ([("state", state)] if state else [])
+        dests = []
+        for kind, info in wanted:
+            dest = (self.cache.kv if kind == "kv" else self.cache.states).allocate()
+            if dest is None:  # no room: give up on this round (the request recomputes)
+                for k, d in dests:
+                    self._release(k, d)
+                return
+            dests.append((kind, dest))
+        self.tried.add(rid)
+        ids = set()
+        for (kind, info), (_, dest) in zip(wanted, dests):
+            t = self._transfer("load", kind, info["key"], dest, rid)
+            self.inflight[t.id] = {"direction": "load", "kind": kind, "dest": dest, "request": rid,
+                                   "expected": self.entries[info["key"]]["checksum"], **info}
+            ids.add(t.id)
+        self.loading[rid] = ids
+        self.stats["loads"] += len(ids)
+
+    def _loaded(self, info: dict, d: TransferDone) -> None:
+        rid, kind, dest = info["request"], info["kind"], info["dest"]
+        verified = d.ok and d.checksum is not None and d.checksum == info["expected"]
+        registered = False
+        if verified:
+            if kind == "kv":
+                self.cache.kv.register(info["parent"], info["block_tokens"], info["prefix"], dest)
+                registered = self.cache.kv.meta.get(dest, (None, None, None))[2] == info["prefix"]
+            else:
+                registered = self.cache.states.register(info["prefix"], dest)
+        else:
+            self.entries.pop(info["key"], None)  # the copy on the host is not to be trusted again
+            self.stats["load_misses"] += 1
+        pending = self.loading.get(rid)
+        if pending is not None:
+            pending.discard(d.id)
+            if not pending:
+                del self.loading[rid]
+        if registered and rid not in self.aborted:
+            self.held.setdefault(rid, []).append((kind, dest))
+        else:
+            self._release(kind, dest)
+        if rid not in self.loading:
+            self.aborted.discard(rid)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _transfer(self, direction: str, kind: str, key: str, device: int, rid: str | None) -> Transfer:
+        self.next_id += 1
+        t = Transfer(self.next_id, direction, kind, key, device, rid)
+        self.planned.append(t)
+        return t
+
+    def _release(self, kind: str, ident: int) -> None:
+        (self.cache.kv if kind == "kv" else self.cache.states).release(ident)

@@ -1,0 +1,163 @@
+"""The harness's second tier: a host store and the transport that moves KV
+blocks and state slots between it and device memory.
+
+Both are owned by the harness, like device memory: an implementation only
+names entries (:class:`~conformance.contract.Transfer`) and learns outcomes
+(:class:`~conformance.contract.TransferDone`).  Environment faults
+(:mod:`fault_injection.environment`) interpose on the two seams a real tier
+has: the store (``put``/``get``) and the wire (``in_flight`` hooks that see
+each payload, and ``defer`` for completions that come late and out of order).
+
+Provenance travels with the bytes, so a load that lands stale data shows up
+in the invariants and explanations like any other stale memory; corruption
+in flight changes the bytes but not the provenance, so only the logits (or an
+implementation's checksum) can tell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .contract import ContractError, Transfer, TransferDone
+from .memory import Memory
+
+
+@dataclass
+class Payload:
+    """What one transfer moves: tensors by part, with their provenance."""
+
+    kind: str  # "kv" | "state"
+    tensors: dict[str, torch.Tensor]  # kv: {"kv": [layers, B, 2, H, D]}; state: {"conv": .., "ssm": ..}
+    prov: dict[str, object]  # kv: {"kv": [prefix per offset]}; state: {"conv": prefix, "ssm": prefix}
+
+    def clone(self) -> "Payload":
+        return Payload(self.kind, {k: v.clone() for k, v in self.tensors.items()},
+                       {k: (list(v) if isinstance(v, list) else v) for k, v in self.prov.items()})
+
+
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=12)
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class HostEntry:
+    payload: Payload
+    checksum: str  # of the source bytes, computed before they left the device
+
+
+class HostStore:
+    """Host memory: entries by key.  Unbounded unless ``capacity`` is set."""
+
+    def __init__(self, capacity: int | None = None):
+        self.capacity = capacity
+        self.entries: dict[str, HostEntry] = {}
+
+    def put(self, key: str, entry: HostEntry) -> bool:
+        """False when the store cannot allocate room for the entry."""
+        if self.capacity is not None and key not in self.entries and len(self.entries) >= self.capacity:
+            return False
+        self.entries[key] = entry
+        return True
+
+    def get(self, key: str) -> HostEntry | None:
+        return self.entries.get(key)
+
+    def drop(self, key: str) -> None:
+        self.entries.pop(key, None)
+
+
+class TransferFailed(Exception):
+    """Raised by an in-flight hook: the transfer reports failure."""
+
+
+@dataclass
+class Transport:
+    memory: Memory
+    store: HostStore = field(default_factory=HostStore)
+    # hook(transport, transfer, payload) -> payload; may raise TransferFailed
+    in_flight: list = field(default_factory=list)
+    # hook(transport, transfers) -> (now, later): which loads complete this step
+    schedulers: list = field(default_factory=list)
+    deferred: list[Transfer] = field(default_factory=list)
+    executed: int = 0
+    current: Transfer | None = None  # the transfer being executed (store faults read it)
+
+    def busy(self) -> bool:
+        """Transfers issued but not completed yet."""
+        return bool(self.deferred)
+
+    def run(self, transfers: tuple[Transfer, ...]) -> list[TransferDone]:
+        """Execute what is due: transfers deferred by an earlier step first,
+        then this step's offloads (their sources may be reused by this very
+        step, so they never wait), then its loads."""
+        due, self.deferred = self.deferred, []
+        offloads = [t for t in transfers if t.direction == "offload"]
+        loads = [t for t in transfers if t.direction == "load"]
+        for hook in self.schedulers:
+            loads, later = hook(self, loads)
+            self.deferred += later
+        done = [self._execute(t) for t in offloads + due + loads]
+        for hook in self.schedulers:
+            done = getattr(hook, "order", lambda d: d)(done)
+        return done
+
+    # -- one transfer ------------------------------------------------------------------
+    def _execute(self, t: Transfer) -> TransferDone:
+        self.executed += 1
+        self.current = t
+        try:
+            if t.direction == "offload":
+                payload = self.read(t.kind, t.device)
+                entry = HostEntry(payload, checksum(payload.tensors))
+                entry.payload = self._fly(t, payload.clone())
+                if not self.store.put(t.key, entry):
+                    return TransferDone(t.id, False, error="host store full")
+                return TransferDone(t.id, True, entry.checksum)
+            entry = self.store.get(t.key)
+            if entry is None:
+                return TransferDone(t.id, False, error=f"no host entry {t.key!r}")
+            self.write(t.kind, t.device, self._fly(t, entry.payload.clone()))
+            return TransferDone(t.id, True, checksum(self.read(t.kind, t.device).tensors))
+        except TransferFailed as exc:
+            return TransferDone(t.id, False, error=str(exc) or "transfer failed")
+        finally:
+            self.current = None
+
+    def _fly(self, t: Transfer, payload: Payload) -> Payload:
+        for hook in self.in_flight:
+            payload = hook(self, t, payload)
+        return payload
+
+    # -- device side -------------------------------------------------------------------
+    def read(self, kind: str, device: int) -> Payload:
+        mem = self.memory
+        if kind == "kv":
+            mem.check_block(device)
+            return Payload("kv", {"kv": mem.kv[:, device].clone()}, {"kv": list(mem.kv_prov[device])})
+        mem.check_slot(device)
+        return Payload("state", {"conv": mem.conv[:, device].clone(), "ssm": mem.ssm[:, device].clone()},
+                       {"conv": mem.conv_prov[device], "ssm": mem.ssm_prov[device]})
+
+    def write(self, kind: str, device: int, payload: Payload) -> None:
+        """Writes the parts (and, for KV, the leading positions) the payload holds."""
+        mem = self.memory
+        if kind != payload.kind:
+            raise ContractError(f"a {payload.kind} entry cannot be loaded into a {kind} location")
+        if kind == "kv":
+            mem.check_block(device)
+            n = payload.tensors["kv"].shape[1]
+            mem.kv[:, device, :n] = payload.tensors["kv"]
+            mem.kv_prov[device][:n] = payload.prov["kv"][:n]
+            return
+        mem.check_slot(device)
+        for part, store, prov in (("conv", mem.conv, mem.conv_prov), ("ssm", mem.ssm, mem.ssm_prov)):
+            if part in payload.tensors:
+                store[:, device] = payload.tensors[part]
+                prov[device] = payload.prov[part]

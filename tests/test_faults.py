@@ -1,0 +1,91 @@
+"""Environment faults: the reference (with its host tier) survives each of
+them, they compose, they record where they fired, a fault that never fired
+fails the run, and an implementation that trusts its tier blindly is caught."""
+
+import json
+
+import pytest
+
+from conformance.adapters.reference import ReferenceCache
+from conformance.adapters.reference.host_tier import HostTier
+from conformance.cli import main
+from conformance.run import RunOptions, run
+from fault_injection.environment import FAULTS, Trigger, build_faults
+
+TIER = {"host_tier": True}
+
+
+def faulty_run(faults, impl="reference", examples=8, options=TIER, seed=0):
+    return run(RunOptions(impl=impl, checks=("eviction-pressure",), faults=tuple(faults), impl_options=dict(options),
+                          examples=examples, steps=10, seed=seed, write_reports=False, shrink="ops"))
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_reference_survives_fault(name):
+    result = faulty_run([f"{name}:p=1"])
+    assert result.ok, [(c.id, c.failure and c.failure.message) for c in result.checks]
+    info = result.faults[name]
+    assert info["exercised"] and info["fired"] > 0 and info["where"], info
+    assert {"step", "transfer", "direction", "key", "what"} <= set(info["where"][0])
+
+
+def test_faults_compose():
+    names = ["evict-before-load:p=0.3", "lost-entry:p=0.3", "transfer-corrupt:p=0.3", "transfer-reorder:p=0.5",
+             "alloc-fail:p=0.1"]
+    result = faulty_run(names, examples=12)
+    assert result.ok, [(c.id, c.failure and c.failure.message) for c in result.checks]
+    assert all(info["fired"] > 0 for info in result.faults.values()), result.faults
+
+
+def test_a_fault_that_never_fired_fails_the_run():
+    """Without a host tier nothing is ever transferred: the fault proves nothing."""
+    result = faulty_run(["transfer-corrupt"], options={}, examples=3)
+    assert not result.ok
+    assert result.faults["transfer-corrupt"]["exercised"] is False
+    check = result.checks[-1]
+    assert check.id == "faults-exercised" and check.status == "failed" and "transfer-corrupt" in check.failure.message
+
+
+class TrustingTier(HostTier):
+    """Believes whatever a completed load says it delivered (no checksum)."""
+
+    def _loaded(self, info, d):
+        super()._loaded(dict(info, expected=d.checksum), d)
+
+
+class TrustingCache(ReferenceCache):
+    def __init__(self, config=None):
+        super().__init__(config)
+        if self.tier is not None:
+            self.tier = TrustingTier(self)
+
+
+def test_a_cache_that_trusts_corrupted_loads_is_caught():
+    result = faulty_run(["transfer-corrupt:p=1"], impl="test_faults:TrustingCache", examples=12)
+    failed = [c for c in result.checks if c.status == "failed"]
+    assert failed and failed[0].failure.kind == "logits", [(c.id, c.status) for c in result.checks]
+
+
+def test_trigger_parameters():
+    t = Trigger.parse("p=0.25:step=3:request=r2:limit=1")
+    assert (t.probability, t.step, t.request, t.limit) == (0.25, 3, "r2", 1)
+    with pytest.raises(KeyError):
+        Trigger.parse("often=yes")
+    with pytest.raises(KeyError):
+        build_faults(("no-such-fault",), 0)
+
+
+def test_step_trigger_limits_where_it_fires():
+    result = faulty_run(["alloc-fail:p=1:limit=1"], examples=4)
+    info = result.faults["alloc-fail"]
+    assert result.ok and info["fired"] >= 1
+    # at most one fire per session: never more fires than sessions that offloaded
+    assert info["fired"] <= result.checks[0].examples
+
+
+def test_cli_records_faults_in_results_json(tmp_path):
+    rc = main(["run", "--check", "eviction-pressure", "--examples", "4", "--faults", "transfer-fail:p=1",
+               "--option", "host_tier=true", "--report-dir", str(tmp_path)])
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0 and doc["faults"]["transfer-fail"]["fired"] > 0
+    assert main(["run", "--faults", "no-such-fault", "--report-dir", str(tmp_path)]) == 2

@@ -10,25 +10,27 @@ from pathlib import Path
 import pytest
 from hypothesis import Phase, settings
 
+import conformance.run
+
 from conformance.cli import main as cli
 from conformance.repro_format import ReproFormatError, parse
 from conformance.run import RunOptions, run
 
-# Shrinking a stateful example costs minutes on a busy CI machine; the first
-# failing example is a valid (if longer) repro, which is what is tested here.
-settings.register_profile("conformance-no-shrink", phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    previous = settings._current_profile
-    settings.load_profile("conformance-no-shrink")
+    # Shrinking a stateful example costs minutes on a busy machine; the first
+    # failing example is a valid (if longer) repro, which is what is tested here.
+    original = conformance.run.hypothesis_settings
+    conformance.run.hypothesis_settings = lambda *a, **k: settings(
+        original(*a, **k), phases=(Phase.explicit, Phase.generate))
     try:
         result = run(RunOptions(mutant="late-snapshot", checks=("mid-block-hits",), examples=20, steps=6,
                                 report_dir=out, seed=3))
     finally:
-        settings.load_profile(previous)
+        conformance.run.hypothesis_settings = original
     return out, result
 
 

@@ -1,0 +1,85 @@
+"""The pytest plugin inside "an engine's own test suite": a throwaway project
+run in a subprocess, with the plugin loaded by ``-p`` (as without the
+entry point), one pytest test per check, and the CLI's report files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The engine's conftest turns shrinking off to keep this test fast (shrinking
+# is Hypothesis's business; the first failing example is a valid repro).
+CONFTEST = """
+from hypothesis import Phase, settings
+import conformance.run
+
+_original = conformance.run.hypothesis_settings
+conformance.run.hypothesis_settings = lambda *a, **k: settings(_original(*a, **k), phases=(Phase.explicit, Phase.generate))
+"""
+
+
+def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance.pytest_plugin", "-p", "no:cacheprovider",
+                           "-q", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_one_pytest_test_per_check_with_repro_files(tmp_path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_engine.py").write_text("def test_engine_own_test():\n    pass\n")
+    report = tmp_path / "rep"
+    proc = _pytest(tmp_path, "--hybrid-impl", "reference", "--hybrid-mutant", "late-snapshot",
+                   "--hybrid-check", "mid-block-hits", "--hybrid-check", "snapshot-reuse",
+                   "--hybrid-examples", "20", "--hybrid-steps", "6", "--hybrid-report-dir", str(report),
+                   "--junitxml", str(tmp_path / "pytest-junit.xml"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "2 failed, 1 passed" in proc.stdout
+    assert "hybrid-conformance[mid-block-hits]" in proc.stdout
+    assert "replay: hybrid-conformance replay" in proc.stdout
+    assert (report / "repros" / "mid-block-hits--late-snapshot.json").exists()
+    results = json.loads((report / "results.json").read_text())
+    assert [c["id"] for c in results["checks"]] == ["mid-block-hits", "snapshot-reuse"]
+    assert results["finished"] and results["mutant"] == "late-snapshot"
+    cases = ET.parse(report / "junit.xml").getroot().findall("testcase")
+    assert len(cases) == 2
+    # pytest's own junit names the conformance tests too
+    names = [c.get("name") for c in ET.parse(tmp_path / "pytest-junit.xml").getroot().iter("testcase")]
+    assert "hybrid-conformance[snapshot-reuse]" in names
+
+
+def test_the_fixture_for_adapter_authors(tmp_path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_adapter.py").write_text(
+        "import pytest\n"
+        "from conformance.adapters.reference import ReferenceCache\n"
+        "from conformance.pytest_plugin import check_ids\n\n"
+        "class MyCache(ReferenceCache):\n"
+        "    name = 'my-cache'\n\n"
+        "@pytest.mark.parametrize('check', ['mid-block-hits'])\n"
+        "def test_my_cache(hybrid_conformance, check):\n"
+        "    assert check in check_ids('quick')\n"
+        "    hybrid_conformance.check(MyCache, check)\n")
+    report = tmp_path / "rep"
+    # A seeded bug in MyCache: the fixture fails the adapter's test with the witness and writes the repro.
+    proc = _pytest(tmp_path, "--hybrid-mutant", "hit-off-by-one", "--hybrid-examples", "20", "--hybrid-steps", "6",
+                   "--hybrid-report-dir", str(report))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "test_my_cache[mid-block-hits]" in proc.stdout and "replay: hybrid-conformance replay" in proc.stdout
+    results = json.loads((report / "results.json").read_text())
+    assert results["implementation"] == "my-cache" and results["checks"][0]["status"] == "failed"
+    repro = json.loads((report / "repros" / "mid-block-hits--hit-off-by-one.json").read_text())
+    assert repro["impl"] == "test_adapter:MyCache"  # replaying it needs --impl (never imported from the file)
+
+
+def test_without_hybrid_impl_the_plugin_adds_nothing(tmp_path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
+    proc = _pytest(tmp_path)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr

@@ -1,0 +1,144 @@
+"""Reports: compare finds the regression between a reference run and a mutant
+run; expectations files; junit.xml is valid XML; index.html is self-contained
+and renders in headless Chromium with the matrix visible."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from hypothesis import Phase, settings
+
+import conformance.run
+
+from conformance.cli import main as cli
+from conformance.compare import compare, compare_with_expectations
+from conformance.html_report import render
+from conformance.run import RunOptions, run
+
+
+# A 2x2 PNG (red, green / blue, white): a plot the run "produced".
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DAwMDAxMDAwMDAAAANHQEDasKb6QAAAABJRU5ErkJggg==")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One check, run clean and with a mutant (no shrinking: the repro's length is not under test)."""
+    base = tmp_path_factory.mktemp("reports")
+    # Shrinking a stateful example costs minutes on a busy machine; the first
+    # failing example is a valid (if longer) repro, which is what is tested here.
+    original = conformance.run.hypothesis_settings
+    conformance.run.hypothesis_settings = lambda *a, **k: settings(
+        original(*a, **k), phases=(Phase.explicit, Phase.generate))
+    try:
+        ref = run(RunOptions(checks=("mid-block-hits",), report_dir=base / "ref"))
+        mut = run(RunOptions(checks=("mid-block-hits",), mutant="late-snapshot", examples=20, steps=6,
+                             report_dir=base / "mut"))
+    finally:
+        conformance.run.hypothesis_settings = original
+    assert ref.checks[0].status == "passed", ref.checks[0].failure
+    assert mut.checks[0].status == "failed"
+    return base
+
+
+def _load(d: Path) -> dict:
+    return json.loads((d / "results.json").read_text())
+
+
+def test_compare_reports_the_regression(runs, capsys):
+    cmp = compare(_load(runs / "ref"), _load(runs / "mut"))
+    assert cmp.regressed and [c for c, _ in cmp.new_failures] == ["mid-block-hits"]
+    assert cli(["compare", str(runs / "ref" / "results.json"), str(runs / "mut")]) == 1
+    out = capsys.readouterr().out
+    assert "NEW FAILURE  mid-block-hits" in out and "REGRESSED" in out
+    # the other way round the check is fixed, nothing regressed (coverage counters only change)
+    assert cli(["compare", str(runs / "mut"), str(runs / "ref")]) == 0
+    assert "fixed        mid-block-hits" in capsys.readouterr().out
+
+
+def test_compare_flags_lost_coverage_and_missing_checks():
+    old = {"checks": [{"id": "a", "status": "passed"}, {"id": "b", "status": "passed"}],
+           "coverage": {"evictions": 5, "prefix_hits": 9}}
+    new = {"checks": [{"id": "a", "status": "passed"}], "coverage": {"evictions": 0, "prefix_hits": 12}}
+    cmp = compare(old, new)
+    assert cmp.regressed and cmp.missing == ["b"] and cmp.coverage_lost == ["evictions"]
+    assert ("prefix_hits", 9, 12) in cmp.coverage_changes
+
+
+def test_expectations(runs, tmp_path, capsys):
+    mut = _load(runs / "mut")
+    exp = tmp_path / "reference-1.0.toml"
+    exp.write_text('engine = "reference"\nversion = "1.0"\n')
+    assert compare_with_expectations(mut, exp) == (["mid-block-hits"], [])
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'reason = "late snapshot"\nupstream = ["sglang#32606"]\n')
+    assert compare_with_expectations(mut, exp) == ([], [])
+    assert compare_with_expectations(_load(runs / "ref"), exp) == ([], ["mid-block-hits"])
+    assert cli(["compare", str(exp), str(runs / "mut")]) == 0
+    assert "expected failure   mid-block-hits (sglang#32606)" in capsys.readouterr().out
+    assert cli(["compare", str(exp), str(runs / "ref")]) == 1
+    exp.write_text('engine = "reference"\n[checks.x]\nstatus = "flaky"\n')
+    assert cli(["compare", str(exp), str(runs / "ref")]) == 2
+    assert "version: missing" in capsys.readouterr().err
+
+
+def test_the_shipped_expectations_files_parse():
+    from conformance.compare import load_expectations
+
+    files = sorted(Path("fixtures/expectations").glob("*.toml"))
+    assert files
+    for f in files:
+        load_expectations(f)
+
+
+def test_junit_is_valid_xml_with_one_case_per_check(runs):
+    suite = ET.parse(runs / "mut" / "junit.xml").getroot()
+    cases = suite.findall("testcase")
+    assert suite.get("tests") == "1" and [c.get("name") for c in cases] == ["mid-block-hits"]
+    failure = cases[0].find("failure")
+    assert failure is not None and "replay: hybrid-conformance replay" in failure.text
+    assert ET.parse(runs / "ref" / "junit.xml").getroot().find("testcase/failure") is None
+
+
+def test_index_html_is_self_contained(runs):
+    html = (runs / "mut" / "index.html").read_text()
+    assert "id='matrix'" in html and "late-snapshot" in html and "repros/mid-block-hits--late-snapshot.json" in html
+    assert "http://" not in html and "https://" not in html and "<script" not in html
+    # plots in the report directory are embedded
+    (runs / "mut" / "hit-rate.png").write_bytes(PNG)
+    page = render([_load(runs / "ref"), _load(runs / "mut")], base=runs / "mut")
+    assert "data:image/png;base64," in page and page.count("<tr><th>reference 1.0") == 4  # matrix + coverage
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@pytest.mark.skipif(_chromium() is None, reason="headless Chromium not installed (apt-get install -y chromium)")
+def test_index_html_renders_in_headless_chromium(runs, tmp_path):
+    out = runs / "cmp"
+    assert cli(["compare", str(runs / "ref"), str(runs / "mut"), "--html", str(out / "index.html")]) == 1
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1200,700",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    url = (out / "index.html").resolve().as_uri()
+    dom = subprocess.run([_chromium(), *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert 'id="matrix"' in dom and "reference 1.0 + late-snapshot" in dom
+    shot = tmp_path / "index.png"
+    subprocess.run([_chromium(), *flags, f"--screenshot={shot}", url], capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 5000
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    # The matrix is at the top of the page: its passed (green) and failed (red) cells show on screen.
+    pixels = {color for _, color in Image.open(shot).convert("RGB").crop((0, 0, 1200, 300)).getcolors(1 << 20)}
+    assert (0xD9, 0xF2, 0xDF) in pixels and (0xFB, 0xD9, 0xD7) in pixels

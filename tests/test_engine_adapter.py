@@ -252,3 +252,13 @@ def test_expectations_name_only_planned_engine_checks():
     engine_ids = {k for k in exp["checks"] if k.startswith("engine-")}
     assert engine_ids <= planned, engine_ids - planned
     assert all(exp["checks"][k]["status"] in ("passed", "failed") for k in engine_ids)
+
+
+def test_engine_that_cannot_start_gives_failed_results_not_an_exception():
+    from conformance.engine.checks import run_variant
+
+    opts = {"python": "/nonexistent/python", "vocab_size": 256, "fixture_dtype": "bfloat16"}
+    info, results = run_variant(Variant("qwen3next-tiny", families=("mid-block", "repeats", "eviction")), 0,
+                                Size(), opts)
+    assert [r.status for r in results] == ["failed", "failed", "failed"]
+    assert all("starting the engine" in r.failure.message for r in results)

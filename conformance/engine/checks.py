@@ -223,10 +223,14 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
     traces: list[Trace] = []
     families = [f for f in v.families if f != "eviction"]
     block_size = None
+    startup_error: EngineError | None = None
     try:
         for fam in families:
             cid = check_id(fam, v)
             say(f"{cid}: running on the cached engine")
+            if startup_error is not None:  # one failed start is enough evidence
+                traces.append(Trace(cid, fam, error=startup_error, error_round=-1))
+                continue
             if block_size is None:
                 try:
                     main.ensure()
@@ -235,13 +239,17 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
                                       **main.engine.info.extra}
                 except EngineError as e:
                     main.dirty = True
-                    tr = Trace(cid, fam, error=e, error_round=-1)
-                    traces.append(tr)
+                    startup_error = e
+                    traces.append(Trace(cid, fam, error=e, error_round=-1))
                     continue
             rng = random.Random(_seed_for(seed, cid))
             traces.append(run_workload(cid, fam, main, FAMILIES[fam](rng, block_size, opts["vocab_size"], size)))
     finally:
         main.engine.close()
+    if "eviction" in v.families and block_size is None:
+        # No block size without a running engine: report, do not drop, the check.
+        traces.append(Trace(check_id("eviction", v), "eviction", error_round=-1,
+                            error=startup_error or EngineError("startup", "the cached engine never started")))
     if "eviction" in v.families and block_size is not None:
         cid = check_id("eviction", v)
         say(f"{cid}: running on a small-memory engine")

@@ -48,9 +48,14 @@ class WorkerProcess:
         self.log_path = Path(path)
         env = {**os.environ, **self.extra_env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-        self.proc = subprocess.Popen([self.python, "-m", "conformance.engine.worker", str(w)],
-                                     stdin=subprocess.PIPE, stdout=fd, stderr=fd, pass_fds=(w,),
-                                     env=env, cwd=str(REPO), text=True)
+        try:
+            self.proc = subprocess.Popen([self.python, "-m", "conformance.engine.worker", str(w)],
+                                         stdin=subprocess.PIPE, stdout=fd, stderr=fd, pass_fds=(w,),
+                                         env=env, cwd=str(REPO), text=True)
+        except OSError as e:
+            os.close(w), os.close(fd), os.close(r)
+            self.proc = None
+            raise EngineError("startup", f"{self.label}: cannot run {self.python}: {e}") from None
         os.close(w)
         os.close(fd)
         self._answers = os.fdopen(r, "r")
@@ -107,6 +112,6 @@ class WorkerProcess:
                 self.kill()
         try:
             self._answers.close()
-        except Exception:
+        except Exception:  # never opened (failed start) or already closed
             pass
         self.proc = None

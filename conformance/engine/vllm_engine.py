@@ -57,8 +57,12 @@ class VllmEngine:
         env = dict(CPU_ENV) if self.options.get("device", "cpu") == "cpu" else {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
         self.worker = WorkerProcess(engine_python(self.options), env=env, label=self.label)
-        self.worker.start()
         self.starts += 1
+        try:
+            self.worker.start()
+        except EngineError:
+            self.worker = None
+            raise
         try:
             ans = self.worker.call({"cmd": "init", "kind": "vllm", "model": self.model,
                                     "cache_dir": self.options.get("cache_dir"),

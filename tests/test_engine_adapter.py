@@ -262,3 +262,11 @@ def test_engine_that_cannot_start_gives_failed_results_not_an_exception():
                                 Size(), opts)
     assert [r.status for r in results] == ["failed", "failed", "failed"]
     assert all("starting the engine" in r.failure.message for r in results)
+
+
+def test_cli_style_string_options_select_models_and_families():
+    from conformance.engine import planned_checks
+
+    vs = planned_checks("quick", {"models": "qwen3next-tiny,granite-hybrid-tiny", "families": "repeats"})
+    assert [(v.key, v.families) for v in vs] == [("qwen3next-tiny", ("repeats",)),
+                                                  ("granite-hybrid-tiny", ("repeats",))]

@@ -64,7 +64,11 @@ def planned_checks(profile: str, options: dict | None = None):
     """The Variant list a profile (and options) will run."""
     from .checks import Variant
 
-    opts = options or {}
+    opts = dict(options or {})
+    # From the CLI (--option models=a,b) these arrive as strings.
+    for key in ("models", "families"):
+        if isinstance(opts.get(key), str):
+            opts[key] = [x.strip() for x in opts[key].split(",") if x.strip()]
     prof = PROFILES[profile]
     variants = [Variant(m, var, tuple(f for f in fams if f in opts.get("families", fams)), dict(o))
                 for m, var, fams, o in prof["variants"]]

@@ -270,3 +270,11 @@ def test_cli_style_string_options_select_models_and_families():
     vs = planned_checks("quick", {"models": "qwen3next-tiny,granite-hybrid-tiny", "families": "repeats"})
     assert [(v.key, v.families) for v in vs] == [("qwen3next-tiny", ("repeats",)),
                                                   ("granite-hybrid-tiny", ("repeats",))]
+
+
+def test_without_vllm_every_check_is_skipped_with_the_reason():
+    from conformance.engine import run_engine_checks
+
+    info, results = run_engine_checks("quick", 0, {"python": "/nonexistent/python"})
+    assert results and all(r.status == "skipped" for r in results)
+    assert "vllm is not importable" in results[0].reason and "install_vllm_cpu.sh" in results[0].reason

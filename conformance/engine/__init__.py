@@ -97,9 +97,13 @@ def engine_unavailable(options: dict | None = None, device: str = "cpu") -> str 
     if device == "cuda":
         import subprocess
 
-        r = subprocess.run([py, "-c", "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
-                           capture_output=True, timeout=120)
-        if r.returncode != 0:
+        try:
+            r = subprocess.run([py, "-c", "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                               capture_output=True, timeout=120)
+            ok = r.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if not ok:
             return f"no CUDA device visible to {py}"
     return None
 

@@ -29,8 +29,11 @@ def engine_python(options: dict | None = None) -> str:
 
 
 def python_has(python: str, module: str) -> bool:
-    r = subprocess.run([python, "-c", f"import importlib.util,sys; sys.exit(importlib.util.find_spec({module!r}) is None)"],
-                       capture_output=True, timeout=120)
+    try:
+        r = subprocess.run([python, "-c", f"import importlib.util,sys; sys.exit(importlib.util.find_spec({module!r}) is None)"],
+                           capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):  # no such interpreter: it has nothing
+        return False
     return r.returncode == 0
 
 

@@ -10,7 +10,10 @@ From it the harness derives, per request, the *checkpoints*: the prompt end,
 every multiple of I that is computed (of the block size when I is None; none
 when I = 0) and, with ``sequence_ends``, the last computed position of a
 request that finished.  A *sighting* is one request computing through a
-checkpoint (not reusing it), once per request and position.
+checkpoint (not reusing it), once per request and position; under second-hit
+a prefix that some request offered is a checkpoint for every later request
+that computes through it (that is how a shared prefix gets its second
+sighting when it is not one of the later request's own checkpoints).
 
 Two families, reported apart because they are different kinds of bug:
 
@@ -63,6 +66,8 @@ class RetentionChecker:
         self.admissible: set[tuple[int, ...]] = set()  # prefixes the policy allowed to be cached
         self.offered: dict[str, set[int]] = {}  # request -> positions it offered
         self.window = LookupWindow()
+        self.recorded: dict[tuple[int, ...], int] = {}  # prefix -> step in which it was first offered
+        self.step_no = 0
 
     # -- the declared checkpoints ---------------------------------------------------
     def checkpoints(self, start: int, end: int, prompt_len: int) -> list[int]:
@@ -81,9 +86,12 @@ class RetentionChecker:
         if self.report == "hit-rate":
             self._check_lookups(session, plan, view_before)
         offered: list[tuple[str, int, tuple[int, ...]]] = []
+        self.step_no += 1
         for rs in plan.requests:
             track = session.tracks[rs.request_id]
             qs = self.checkpoints(rs.start, rs.end, track.prompt_len)
+            if self.decl["admission"] == "second-hit":
+                qs += self._sighted(track.tokens, rs.start, rs.end)
             if rs.request_id in finished and self.decl["sequence_ends"]:
                 qs.append(track.computed)
             mine = self.offered.setdefault(rs.request_id, set())
@@ -92,6 +100,7 @@ class RetentionChecker:
                     mine.add(q)
                     prefix = track.tokens[:q]
                     self.sightings[prefix] = self.sightings.get(prefix, 0) + 1
+                    self.recorded.setdefault(prefix, self.step_no)
                     offered.append((rs.request_id, q, prefix))
         cov = session.coverage
         for rid, q, prefix in offered:
@@ -114,6 +123,17 @@ class RetentionChecker:
             if prefix not in self.admissible:
                 self._fail("retention", f"a state after {len(prefix)} tokens was cached, a position the declared "
                                         f"policy {self._policy()} never checkpoints (or has not admitted yet)")
+
+    def _sighted(self, tokens, start: int, end: int) -> list[int]:
+        """Under second-hit, a prefix some request offered is a checkpoint for
+        every request computing through it: one offered before this step
+        anywhere in the chunk, or earlier in this step at the chunk's end."""
+        out = []
+        for q in range(start + 1, end + 1):
+            at = self.recorded.get(tokens[:q])
+            if at is not None and (at < self.step_no or q == end):
+                out.append(q)
+        return out
 
     def _check_lookups(self, session, plan, view_before) -> None:
         """A new request reuses the longest prefix whose KV and state the cache

@@ -104,7 +104,7 @@ class ReferenceCache:
             req.computed = step.end
             self._unpin(req)
             self._register_blocks(req)
-            if self.policy.is_checkpoint(step.end, req.prompt_len, self.B):
+            if self.policy.is_checkpoint(step.end, req.prompt_len, self.B) or self._sighted(req, step.end):
                 self._register_snapshot(req)
             if step.request_id in result.sampled:
                 req.tokens.append(result.sampled[step.request_id])
@@ -218,7 +218,7 @@ class ReferenceCache:
         if remaining <= 0:
             return None
         n = min(remaining, budget)
-        cut = self.policy.next_checkpoint(req.computed, req.prompt_len, self.B)
+        cut = self._next_sighted(req, self.policy.next_checkpoint(req.computed, req.prompt_len, self.B))
         if cut is not None:
             n = min(n, cut - req.computed)
         end = req.computed + n
@@ -269,6 +269,21 @@ class ReferenceCache:
         if self.policy.admission == "always":
             return True  # no need to count what is never consulted
         return self.sightings.see(prefix) >= 2
+
+    def _sighted(self, req: _Req, pos: int) -> bool:
+        """Second-hit: a prefix an earlier request offered is a checkpoint for
+        every request that computes through it (that is its next sighting)."""
+        return self.policy.admission == "second-hit" and tuple(req.tokens[:pos]) in self.sightings.counts
+
+    def _next_sighted(self, req: _Req, cut: int | None) -> int | None:
+        """The chunk ends at the first such prefix before ``cut``, so that its
+        state can be registered in place."""
+        if self.policy.admission != "second-hit" or not self.sightings.counts:
+            return cut
+        for q in range(req.computed + 1, len(req.tokens) if cut is None else cut):
+            if self._sighted(req, q):
+                return q
+        return cut
 
     def _register_tail(self, req: _Req) -> None:
         """At the end of a request its partly filled last block is reusable too."""

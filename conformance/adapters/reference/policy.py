@@ -11,7 +11,10 @@ replays the output as well).
 from its second sighting on -- the first proves the prefix exists, the second
 that it is shared.  A *sighting* is one request computing through the
 checkpoint (reaching it by computation, not by reusing it), counted once per
-request and position.
+request and position.  Under second-hit, a prefix some request offered is a
+checkpoint for every later request that computes through it: that is how a
+shared prefix gets its second sighting (Marconi's branch points, restricted to
+positions the policy would keep for someone).
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ def parse_options(pairs: list[str]) -> dict:
 class Progress:
     """One line per check, rewritten in place on a terminal."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr  # looked up now: sys.stderr may be replaced (pytest capture)
+        self.tty = self.stream.isatty()
 
     def __call__(self, event: str, **info) -> None:
         if event == "check-start":

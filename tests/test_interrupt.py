@@ -1,0 +1,68 @@
+"""Ctrl-C (SIGINT) or a CI cancel (SIGTERM) in the middle of a run leaves a
+valid results.json for the checks that finished, marked interrupted, and
+every repro file found so far."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The run under test: shrinking off so that the first (mutant) check fails in
+# seconds, and every later check made slow, so that the signal surely lands
+# while a check is running.
+SCRIPT = """
+import sys, time
+from hypothesis import Phase, settings
+import conformance.run
+_original = conformance.run.hypothesis_settings
+conformance.run.hypothesis_settings = lambda *a, **k: settings(_original(*a, **k), phases=(Phase.explicit, Phase.generate))
+_run_check = conformance.run.run_check
+def slow_after_first(*args, **kw):
+    if args[6] > 1:  # the check's index in the profile
+        time.sleep(600)
+    return _run_check(*args, **kw)
+conformance.run.run_check = slow_after_first
+from conformance.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_run_keeps_valid_results_and_repros(tmp_path, sig):
+    out = tmp_path / "rep"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "run", "--mutant", "late-snapshot", "--profile", "standard",
+                             "--examples", "400", "--steps", "6", "--report-dir", str(out)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = out / "results.json"
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if results.exists() and len(json.loads(results.read_text())["checks"]) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run finished before it could be interrupted: " + proc.stderr.read()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    doc = json.loads(results.read_text())
+    assert doc["interrupted"] is True and doc["finished"]
+    assert len(doc["checks"]) == 2  # what finished, not what was planned
+    failed = [c for c in doc["checks"] if c["status"] == "failed"]
+    assert failed
+    for c in failed:
+        repro = Path(c["failure"]["repro"])
+        assert repro.exists() and json.loads(repro.read_text())["steps"]
+    assert (out / "index.html").exists() and "interrupted" in (out / "index.html").read_text()

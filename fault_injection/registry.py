@@ -42,3 +42,4 @@ def get_mutant(name: str) -> Mutant:
 def _load_builtin() -> None:
     from . import reference_mutants  # noqa: F401  (registers on import)
     from . import retention_mutants  # noqa: F401
+    from . import vllm_mutants  # noqa: F401  (imports vLLM only when one is applied)

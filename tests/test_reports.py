@@ -5,6 +5,7 @@ and renders in headless Chromium with the matrix visible."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import shutil
 import subprocess
@@ -27,21 +28,27 @@ PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DAwMDAxMDAwMDAAAANHQEDasKb6QAAAABJRU5ErkJggg==")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One check, run clean and with a mutant (no shrinking: the repro's length is not under test)."""
-    base = tmp_path_factory.mktemp("reports")
+@contextlib.contextmanager
+def no_shrink():
     # Shrinking a stateful example costs minutes on a busy machine; the first
     # failing example is a valid (if longer) repro, which is what is tested here.
     original = conformance.run.hypothesis_settings
     conformance.run.hypothesis_settings = lambda *a, **k: settings(
         original(*a, **k), phases=(Phase.explicit, Phase.generate))
     try:
+        yield
+    finally:
+        conformance.run.hypothesis_settings = original
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One check, run clean and with a mutant (no shrinking: the repro's length is not under test)."""
+    base = tmp_path_factory.mktemp("reports")
+    with no_shrink():
         ref = run(RunOptions(checks=("mid-block-hits",), report_dir=base / "ref"))
         mut = run(RunOptions(checks=("mid-block-hits",), mutant="late-snapshot", examples=20, steps=6,
                              report_dir=base / "mut"))
-    finally:
-        conformance.run.hypothesis_settings = original
     assert ref.checks[0].status == "passed", ref.checks[0].failure
     assert mut.checks[0].status == "failed"
     return base
@@ -86,6 +93,17 @@ def test_expectations(runs, tmp_path, capsys):
     exp.write_text('engine = "reference"\n[checks.x]\nstatus = "flaky"\n')
     assert cli(["compare", str(exp), str(runs / "ref")]) == 2
     assert "version: missing" in capsys.readouterr().err
+
+
+def test_run_exits_by_the_expectations(tmp_path, capsys):
+    exp = tmp_path / "reference-1.0.toml"
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n')
+    argv = ["run", "--check", "mid-block-hits", "--mutant", "late-snapshot", "--examples", "20", "--steps", "6",
+            "--report-dir", str(tmp_path / "r"), "--expectations", str(exp)]
+    with no_shrink():
+        assert cli(argv) == 0  # the failure is expected
+    assert "expected failure   mid-block-hits" in capsys.readouterr().err
+    assert cli(["run", "--expectations", str(tmp_path / "missing.toml")]) == 2
 
 
 def test_the_shipped_expectations_files_parse():

@@ -53,3 +53,19 @@ def test_workers_and_shards_give_the_serial_results(tmp_path):
     merged = sorted(c for s in shards for c in _summary(s))
     assert merged == sorted(_summary(serial))
     assert [c.id for c in shards[0].checks] == ["mid-block-hits", "snapshot-reuse"]
+
+
+def test_merging_shards_gives_one_report(tmp_path):
+    from conformance.merge import main as merge_main
+
+    opts = dict(checks=CHECKS, examples=2, steps=3)
+    for i in (1, 2):
+        run(RunOptions(**opts, shard=(i, 2), report_dir=tmp_path / f"shard-{i}"))
+    assert merge_main([str(tmp_path / "all"), str(tmp_path / "shard-1"), str(tmp_path / "shard-2")]) in (0, 1)
+    import json
+
+    doc = json.loads((tmp_path / "all" / "results.json").read_text())
+    assert [c["id"] for c in doc["checks"]] == list(CHECKS)
+    assert (tmp_path / "all" / "junit.xml").exists() and (tmp_path / "all" / "index.html").exists()
+    # the same shard twice is refused (exit 2), not double counted
+    assert merge_main([str(tmp_path / "bad"), str(tmp_path / "shard-1"), str(tmp_path / "shard-1")]) == 2

@@ -108,10 +108,13 @@ class LookupWindow:
         self.floor: dict[str, tuple[int, int]] = {}  # request -> (KV servable, reusable with a state)
         self.pending: set[str] = set()  # submitted, not started
         self.known = 0  # tracks seen so far
+        self._session = None
 
     def observe(self, session, plan, view_before) -> dict[str, tuple[int, int]]:
         """Update the window after a step; return the floors of the requests
         whose first step this plan was."""
+        if session is not self._session:  # one metrics object follows every session of a check
+            self._session, self.floor, self.pending, self.known = session, {}, set(), 0
         tracks = session.tracks
         if len(tracks) > self.known:  # tracks only grow, in submission order: take the new ones
             keys = reversed(tracks)

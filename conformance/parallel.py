@@ -20,6 +20,9 @@ def _init(opts) -> None:
     # Ctrl-C reaches the whole process group; only the parent decides what to
     # keep, so workers ignore SIGINT and are terminated by the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    torch.set_num_threads(1)  # as run() does: N workers on N cores, no intra-op threads fighting them
     from .model import TinyHybrid
     from .oracle import Oracle
     from .run import prepare

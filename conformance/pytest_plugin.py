@@ -42,6 +42,9 @@ def pytest_addoption(parser) -> None:
     g.addoption("--hybrid-seed", type=int, default=0, help="seed (default 0, as the CLI)")
     g.addoption("--hybrid-examples", type=int, default=None, help="examples per check (overrides the profile)")
     g.addoption("--hybrid-steps", type=int, default=None, help="operations per example (overrides the profile)")
+    g.addoption("--hybrid-shrink", default="hypothesis", choices=("hypothesis", "ops"),
+                help="how a failing example is minimized: Hypothesis's shrinker (thorough, minutes) or by "
+                     "replaying subsets of its operations (seconds)")
     g.addoption("--hybrid-report-dir", default=None, metavar="DIR",
                 help="write results.json, junit.xml, index.html and repros/ here")
 
@@ -57,7 +60,8 @@ class ConformanceRunner:
     (so the report directory looks like the CLI's)."""
 
     def __init__(self, impl: str | object, profile: str = "quick", seed: int = 0, mutant: str | None = None,
-                 examples: int | None = None, steps: int | None = None, report_dir: str | Path | None = None):
+                 examples: int | None = None, steps: int | None = None, report_dir: str | Path | None = None,
+                 shrink: str = "hypothesis"):
         from .model import TinyHybrid
         from .oracle import Oracle
         from .results import RunResult
@@ -66,7 +70,7 @@ class ConformanceRunner:
         # A factory object (a class) is accepted as well as a spec string.
         spec = impl if isinstance(impl, str) else f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
         self.opts = RunOptions(impl=spec, profile=profile, seed=seed, mutant=mutant, examples=examples, steps=steps,
-                               report_dir=Path(report_dir) if report_dir else None)
+                               report_dir=Path(report_dir) if report_dir else None, shrink=shrink)
         if not isinstance(impl, str):
             self._prepare_object(impl)
         else:
@@ -180,7 +184,8 @@ def _runner(config) -> ConformanceRunner:
         try:
             runner = ConformanceRunner(opt("hybrid_impl"), profile=opt("hybrid_profile"), seed=opt("hybrid_seed"),
                                        mutant=opt("hybrid_mutant"), examples=opt("hybrid_examples"),
-                                       steps=opt("hybrid_steps"), report_dir=opt("hybrid_report_dir"))
+                                       steps=opt("hybrid_steps"), report_dir=opt("hybrid_report_dir"),
+                                       shrink=opt("hybrid_shrink"))
         except UsageError as exc:
             raise pytest.UsageError(f"--hybrid-impl: {exc}") from None
         config.stash[_KEY] = runner
@@ -232,7 +237,8 @@ def hybrid_conformance(request):
                     out = str(Path(out) / f"impl{len(runners)}")
                 runners[key] = ConformanceRunner(impl, profile=opt("hybrid_profile"), seed=opt("hybrid_seed"),
                                                  mutant=opt("hybrid_mutant"), examples=opt("hybrid_examples"),
-                                                 steps=opt("hybrid_steps"), report_dir=out)
+                                                 steps=opt("hybrid_steps"), report_dir=out,
+                                                 shrink=opt("hybrid_shrink"))
             return runners[key].check(check_id)
 
     yield _Checks()

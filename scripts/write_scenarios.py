@@ -141,14 +141,15 @@ scenario(
 
 scenario(
     "hit-block-evicted-while-in-use", "evict-referenced", "LIFETIME",
-    "a prefix hit revives a free cached block without taking it off the eviction queue",
+    "a prefix hit sets a shared block's refcount to 1 instead of incrementing it",
     ["sglang#27038", "TRT-LLM#8813"],
-    "With 7 KV blocks, the warm-up leaves the system prompt cached in free blocks. Request a hits them (a "
-    "reference is taken, but they stay on the free queue); request b, admitted in the same step, needs "
-    "five blocks and the allocator evicts a's hit blocks and hands them to b while a still reads them.",
-    [sub("warm", SYS + U1), drain(), sub("a", SYS + U2, new=4), sub("b", [51, 52, 53, 54, 55, 56, 57, 58, 59, 60,
-                                                                   61, 62, 63, 50, 49, 48, 47]), drain()],
-    impl_config={"num_kv_blocks": 7})
+    "After the warm-up, requests a and b both hit the cached system-prompt blocks while both run; each hit "
+    "sets the refcount to 1, so the blocks are counted once for two holders. When a finishes, its release "
+    "drops them to 0 and queues them for eviction while b still decodes from them: the next allocation "
+    "would hand b's prefix to another request (the cascade-evict class of sglang#27038, and output with "
+    "tokens from other prompts as in TRT-LLM#8813).",
+    [sub("warm", SYS + U1), drain(), sub("a", SYS + U2), sub("b", SYS + U3, new=4), drain(),
+     sub("c", [51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 50, 49, 48, 47]), drain()])
 
 scenario(
     "partial-tail-shared-by-length", "hash-ignores-partial", "HASH",

@@ -13,26 +13,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The engine's conftest turns shrinking off to keep this test fast (shrinking
-# is Hypothesis's business; the first failing example is a valid repro).
-CONFTEST = """
-from hypothesis import Phase, settings
-import conformance.run
-
-_original = conformance.run.hypothesis_settings
-conformance.run.hypothesis_settings = lambda *a, **k: settings(_original(*a, **k), phases=(Phase.explicit, Phase.generate))
-"""
 
 
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance.pytest_plugin", "-p", "no:cacheprovider",
-                           "-q", *args], cwd=tmp_path, env=env,
+                           # minimized by replay (seconds), not by Hypothesis's shrinker (minutes)
+                           "--hybrid-shrink", "ops", "-q", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
 def test_one_pytest_test_per_check_with_repro_files(tmp_path):
-    (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_engine.py").write_text("def test_engine_own_test():\n    pass\n")
     report = tmp_path / "rep"
     proc = _pytest(tmp_path, "--hybrid-impl", "reference", "--hybrid-mutant", "late-snapshot",
@@ -55,7 +46,6 @@ def test_one_pytest_test_per_check_with_repro_files(tmp_path):
 
 
 def test_the_fixture_for_adapter_authors(tmp_path):
-    (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_adapter.py").write_text(
         "import pytest\n"
         "from conformance.adapters.reference import ReferenceCache\n"
@@ -79,7 +69,6 @@ def test_the_fixture_for_adapter_authors(tmp_path):
 
 
 def test_without_hybrid_impl_the_plugin_adds_nothing(tmp_path):
-    (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
     proc = _pytest(tmp_path)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr

@@ -8,9 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import Phase, settings
-
-import conformance.run
 
 from conformance.cli import main as cli
 from conformance.repro_format import ReproFormatError, parse
@@ -21,16 +18,9 @@ from conformance.run import RunOptions, run
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    # Shrinking a stateful example costs minutes on a busy machine; the first
-    # failing example is a valid (if longer) repro, which is what is tested here.
-    original = conformance.run.hypothesis_settings
-    conformance.run.hypothesis_settings = lambda *a, **k: settings(
-        original(*a, **k), phases=(Phase.explicit, Phase.generate))
-    try:
-        result = run(RunOptions(mutant="late-snapshot", checks=("mid-block-hits",), examples=20, steps=6,
-                                report_dir=out, seed=3))
-    finally:
-        conformance.run.hypothesis_settings = original
+    # shrink="ops": minimized by replaying subsets (seconds) instead of Hypothesis's shrinker (minutes)
+    result = run(RunOptions(mutant="late-snapshot", checks=("mid-block-hits",), examples=20, steps=6,
+                            report_dir=out, seed=3, shrink="ops"))
     return out, result
 
 

@@ -30,8 +30,8 @@ PNG = base64.b64decode(
 
 @contextlib.contextmanager
 def no_shrink():
-    # Shrinking a stateful example costs minutes on a busy machine; the first
-    # failing example is a valid (if longer) repro, which is what is tested here.
+    # The CLI has no --shrink: Hypothesis's shrinker costs minutes on a busy
+    # machine, and the first failing example is a valid repro for this test.
     original = conformance.run.hypothesis_settings
     conformance.run.hypothesis_settings = lambda *a, **k: settings(
         original(*a, **k), phases=(Phase.explicit, Phase.generate))
@@ -45,10 +45,9 @@ def no_shrink():
 def runs(tmp_path_factory):
     """One check, run clean and with a mutant (no shrinking: the repro's length is not under test)."""
     base = tmp_path_factory.mktemp("reports")
-    with no_shrink():
-        ref = run(RunOptions(checks=("mid-block-hits",), report_dir=base / "ref"))
-        mut = run(RunOptions(checks=("mid-block-hits",), mutant="late-snapshot", examples=20, steps=6,
-                             report_dir=base / "mut"))
+    ref = run(RunOptions(checks=("mid-block-hits",), report_dir=base / "ref"))
+    mut = run(RunOptions(checks=("mid-block-hits",), mutant="late-snapshot", examples=20, steps=6,
+                         report_dir=base / "mut", shrink="ops"))
     assert ref.checks[0].status == "passed", ref.checks[0].failure
     assert mut.checks[0].status == "failed"
     return base

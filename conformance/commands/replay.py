@@ -29,7 +29,11 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    import torch
+
     from ..replay import replay, witness
+
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add synchronization
 
     try:
         repro = load(args.file)

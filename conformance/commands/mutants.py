@@ -59,31 +59,57 @@ def select(mutants: list, only: str) -> list:
 
 
 def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
-    """One mutant through the suite, up to its first failing check."""
-    opts = RunOptions(**{**base.__dict__, "mutant": mutant.name, "report_dir": report_dir,
-                         "stop_at_failure": True, "progress": None, "shrink": "ops"})
-    started = time.perf_counter()
-    result = run(opts)
+    """One mutant through the suite, up to the first check that catches it.
+    A failure that says nothing about the mutant (a situation that never
+    occurred) does not stop it: the remaining checks still get their chance."""
+    from ..checks import PROFILES
+
+    remaining = list(base.checks) or [spec.id for spec in PROFILES[base.profile].checks]
     entry = {"name": mutant.name, "class": mutant.bug_class, "description": mutant.description,
              "detected": False, "check": None, "kind": None, "message": None,
              "examples_to_detection": None, "seconds_to_detection": None, "repro_steps": None, "repro": None,
-             "checks_run": [c.id for c in result.checks], "seconds": round(time.perf_counter() - started, 3),
-             "report_dir": str(report_dir)}
+             "checks_run": [], "seconds": None, "report_dir": str(report_dir), "not_detections": []}
+    started = time.perf_counter()
     # Detection cost counts every check run before the one that caught it:
     # that is what the suite spent to find the bug.
     examples_before = seconds_before = 0
-    for c in result.checks:
-        f = c.failure
-        if c.status in ("failed", "error") and f is not None:
-            entry.update(detected=f.kind not in NOT_DETECTION, check=c.id, kind=f.kind, message=f.message[:500],
-                         repro_steps=len(f.steps) if f.steps else None, repro=f.repro)
-            if f.examples_to_failure is not None:
-                entry["examples_to_detection"] = examples_before + f.examples_to_failure
-                entry["seconds_to_detection"] = round(seconds_before + f.seconds_to_failure, 3)
-            break
-        examples_before += c.examples
-        seconds_before += c.seconds
+    part = 0
+    while remaining:
+        out = report_dir if part == 0 else report_dir / f"part{part + 1}"
+        result = run(RunOptions(**{**base.__dict__, "mutant": mutant.name, "report_dir": out, "checks": tuple(remaining),
+                                   "stop_at_failure": True, "progress": None, "shrink": "ops"}))
+        part += 1
+        remaining = []
+        for i, c in enumerate(result.checks):
+            entry["checks_run"].append(c.id)
+            f = c.failure
+            if c.status in ("failed", "error") and f is not None and c.id != "faults-exercised":
+                if f.kind in NOT_DETECTION:
+                    entry["not_detections"].append({"check": c.id, "kind": f.kind, "message": f.message[:300]})
+                    remaining = [spec_id for spec_id in _ids_after(result, i, base)]
+                    examples_before += c.examples
+                    seconds_before += c.seconds
+                    break
+                entry.update(detected=True, check=c.id, kind=f.kind, message=f.message[:500],
+                             repro_steps=len(f.steps) if f.steps else None, repro=f.repro)
+                if f.examples_to_failure is not None:
+                    entry["examples_to_detection"] = examples_before + f.examples_to_failure
+                    entry["seconds_to_detection"] = round(seconds_before + f.seconds_to_failure, 3)
+                entry["seconds"] = round(time.perf_counter() - started, 3)
+                return entry
+            examples_before += c.examples
+            seconds_before += c.seconds
+    entry["seconds"] = round(time.perf_counter() - started, 3)
     return entry
+
+
+def _ids_after(result, i: int, base: RunOptions) -> list[str]:
+    """The checks of this run that come after check ``i`` (not run: the run stopped there)."""
+    from ..checks import PROFILES
+
+    planned = list(base.checks) or [spec.id for spec in PROFILES[base.profile].checks]
+    ran = [c.id for c in result.checks]
+    return planned[planned.index(ran[i]) + 1:] if ran[i] in planned else []
 
 
 def summarize(entries: list[dict]) -> dict:
@@ -93,7 +119,7 @@ def summarize(entries: list[dict]) -> dict:
         if secs else None
     return {"mutants": len(entries), "detected": sum(e["detected"] for e in entries),
             "missed": [e["name"] for e in entries if not e["detected"]],
-            "median_seconds_to_detection": median, "max_seconds_to_detection": secs[-1] if secs else None,
+            "median_seconds_to_detection": None if median is None else round(median, 3), "max_seconds_to_detection": secs[-1] if secs else None,
             "max_repro_steps": max(steps) if steps else None}
 
 

@@ -11,7 +11,7 @@ import sys
 
 from .adapters import UsageError
 
-COMMANDS = ("run", "mutants", "replay", "compare", "economics", "bench")
+COMMANDS = ("run", "mutants", "replay", "compare", "economics")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -31,6 +31,7 @@ code,pre{font:12.5px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
 pre{background:#f5f7fa;border:1px solid #e1e6ed;padding:8px;overflow-x:auto;white-space:pre-wrap}
 .failure{border-left:4px solid #d2443a;padding:4px 12px;margin:12px 0}
 img{max-width:100%;border:1px solid #e1e6ed;margin:6px 0}
+.scroll{overflow-x:auto}
 """
 
 
@@ -104,7 +105,7 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
     if counters:
         out.append("<h2>Coverage</h2><p class='meta'>Times each situation occurred over all examples; "
                    "a 0 means the run could not have caught bugs that need it.</p>")
-        out.append("<table id='coverage'><thead><tr><th>implementation</th>")
+        out.append("<div class='scroll'><table id='coverage'><thead><tr><th>implementation</th>")
         out += [f"<th>{e(k)}</th>" for k in counters]
         out.append("</tr></thead><tbody>")
         for r in results:
@@ -112,7 +113,7 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
             out.append(f"<tr><th>{e(run_label(r))}</th>")
             out += [f"<td class='num{' zero' if not cov.get(k) else ''}'>{int(cov.get(k, 0))}</td>" for k in counters]
             out.append("</tr>")
-        out.append("</tbody></table>")
+        out.append("</tbody></table></div>")
 
     # -- every check -------------------------------------------------------------------
     out.append("<h2>Checks</h2><table id='checks'><thead><tr><th>implementation</th><th>check</th><th>family</th>"

@@ -42,6 +42,13 @@ def mutants_for(impl: str) -> list:
 
     _load_builtin()
     target = "vllm" if impl == "vllm" else "reference"
+    if impl not in ("reference", "vllm"):  # module:Class: reference mutants subclass the reference only
+        from ..adapters import resolve
+        from ..adapters.reference import ReferenceCache
+
+        factory = resolve(impl)
+        if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
+            return []
     if target == "vllm":
         from fault_injection import vllm_mutants  # noqa: F401  (registers on import)
     return [m for m in MUTANTS.values() if m.target == target]

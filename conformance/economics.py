@@ -157,7 +157,7 @@ def plot(rep: Replay, path) -> str | None:
     top.legend(loc="lower right")
     bottom.plot(x, [p["kv_occupancy"] for p in s], label="KV blocks")
     bottom.plot(x, [p["state_occupancy"] for p in s], label="recurrent-state slots")
-    bottom.set_ylabel("occupancy")
+    bottom.set_ylabel("occupancy (pool sized for no eviction)")
     bottom.set_xlabel("requests replayed")
     bottom.legend(loc="upper left")
     r = rep.result

@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=4, help="block size of the replay (default 4)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of hit rates and occupancies (matplotlib)")
+    p.add_argument("--report-dir", type=Path, default=None,
+                   help="also write economics-<workload>-<policy>.json and .png there (where HTML reports look)")
     cost = p.add_argument_group("cost model (design note, sections 1-2)")
     cost.add_argument("--state-bytes", type=float, default=None, help="bytes of one recurrent state")
     cost.add_argument("--kv-bytes-per-token", type=float, default=None, help="attention KV bytes per token")
@@ -64,10 +66,17 @@ def main(args) -> int:
             options["interval"] = args.interval
         factory = resolve(args.impl)
         replayed = replay(requests, factory, options, name=Path(args.workload).stem, impl_name=args.impl,
-                          block_size=args.block_size, keep_series=args.plot is not None)
+                          block_size=args.block_size,
+                          keep_series=args.plot is not None or args.report_dir is not None)
         out = dict(replayed.result)
     if cost is not None:
         out["cost_model"] = cost.report()
+    if args.report_dir is not None and replayed is not None:
+        args.report_dir.mkdir(parents=True, exist_ok=True)
+        r = replayed.result
+        stem = f"economics-{r['workload']}-i{'block' if r['interval'] is None else r['interval']}-{r['admission']}"
+        args.plot = args.plot or args.report_dir / f"{stem}.png"
+        (args.report_dir / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
     if args.plot is not None and replayed is not None:
         from ..economics import plot
 

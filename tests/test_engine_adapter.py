@@ -30,7 +30,8 @@ VOCAB = 64
 
 
 def test_exact_policy_needs_zero_noise():
-    assert calibrate("float32", True, 0.0, 1.0, 1e-4, 1.0, 10).exact
+    assert calibrate("float32", True, 0.0, 1.0, 1e-4, 1.0, 20).exact
+    assert not calibrate("float32", True, 0.0, 1.0, 1e-4, 1.0, 3).exact  # too few pairs to trust a 0
     t = calibrate("bfloat16", True, 0.05, 1.0, 0.3, 1.0, 10)
     assert not t.exact and t.apc_threshold == pytest.approx(0.2)
     assert t.hf_threshold == pytest.approx(0.6)  # 2 x spread, inside [0.05, 1.0]
@@ -38,7 +39,7 @@ def test_exact_policy_needs_zero_noise():
 
 
 def test_exact_comparison_catches_one_ulp():
-    tol = calibrate("float32", True, 0.0, 1.0, 0.0, 1.0, 1)
+    tol = calibrate("float32", True, 0.0, 1.0, 0.0, 1.0, 20)
     assert compare_to_cache_off((1, 2), (-1.0, -2.0), (1, 2), (-1.0, -2.0), tol) is None
     mm = compare_to_cache_off((1, 2), (-1.0, -2.0), (1, 2), (-1.0, -2.0000001), tol)
     assert mm is not None and mm.position == 1
@@ -153,7 +154,7 @@ def _judge(family, engine):
     tr = run_workload(f"engine-{family}:fake", family, cached, FAMILIES[family](random.Random(0), B, VOCAB, Size()))
     off = CacheOffReference(FakeEngine(prefix_caching=False))
     off.engine.start()
-    tol = calibrate("float32", True, 0.0, 1.0, 0.0, 1.0, 1)
+    tol = calibrate("float32", True, 0.0, 1.0, 0.0, 1.0, 20)
     return judge(tr, Variant("fake"), B, off, None, tol, {})
 
 

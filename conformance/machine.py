@@ -15,6 +15,7 @@ the minimized failure is data that replays without Hypothesis.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, note, settings
@@ -169,6 +170,32 @@ def build_machine(impl_factory, spec: CheckSpec, model: TinyHybrid, oracle: Orac
     return HybridCacheMachine
 
 
+@contextmanager
+def stable_draws():
+    """Make one seed give the same examples in every process.
+
+    Hypothesis (6.13x and later) mixes constants collected from whatever local
+    modules happen to be imported into its draws, so the CLI, a --workers
+    process and a pytest session would explore differently from one seed.
+    While our checks run, it draws from no local constants at all."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:  # an older Hypothesis without the mechanism
+        yield
+        return
+    original = getattr(providers, "_get_local_constants", None)
+    if original is None:
+        yield
+        return
+    empty = Constants()
+    providers._get_local_constants = lambda: empty
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+
+
 def hypothesis_settings(spec: CheckSpec, examples: int, steps: int, database=None, shrink: bool = True) -> settings:
     # shrink=False: the caller minimizes the failing operations itself (conformance/minimize.py)
     phases = tuple(Phase) if shrink else tuple(p for p in Phase if p is not Phase.shrink)
@@ -188,5 +215,11 @@ def machine_test(impl_factory, check: str = "mixed", examples: int = 50, steps: 
     machine = build_machine(impl_factory, spec, model, Oracle(model), Recorder(),
                             impl_config or spec.impl_config(), timeout=None)
     test = get_state_machine_test(machine, settings=hypothesis_settings(spec, examples, steps))
-    test.__name__ = f"test_conformance_{spec.id.replace('-', '_')}"
-    return test
+    name = f"test_conformance_{spec.id.replace('-', '_')}"
+
+    def run_test():
+        with stable_draws():
+            test()
+
+    run_test.__name__ = name
+    return run_test

@@ -17,7 +17,7 @@ from . import report
 from .adapters import UsageError, resolve
 from .checks import PROFILES, CheckSpec, get_check
 from .guard import ImplementationError
-from .machine import Recorder, build_machine, hypothesis_settings
+from .machine import Recorder, build_machine, hypothesis_settings, stable_draws
 from .metrics import CacheMetrics, merge_summaries
 from .model import ModelConfig, TinyHybrid
 from .oracle import Oracle
@@ -198,7 +198,8 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     started = time.perf_counter()
     status, failure = "passed", None
     try:
-        test()
+        with stable_draws():
+            test()
     except (ConformanceFailure, ImplementationError) as exc:
         status = "error" if isinstance(exc, ImplementationError) else "failed"
         steps_data, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])

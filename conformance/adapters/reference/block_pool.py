@@ -3,7 +3,7 @@ tuples for the tail) and LRU eviction of free cached blocks."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from .ref_pool import RefPool
 
 ROOT = 0  # chain key of the empty prefix
 
@@ -13,45 +13,18 @@ def chain(parent: int, block_tokens: tuple[int, ...]) -> int:
     return hash((parent, block_tokens))
 
 
-class BlockPool:
+class BlockPool(RefPool):
+    what = "block"
+
     def __init__(self, num_blocks: int):
-        self.ref = [0] * num_blocks
-        # Free blocks, least recently freed first.  Uncached free blocks are
-        # handed out before cached ones so cached content lives longest.
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        super().__init__(num_blocks)
         # parent chain key -> {block tokens (B or fewer) -> block}
         self.children: dict[int, dict[tuple[int, ...], int]] = {}
         # block -> (parent key, block tokens, whole prefix through the block)
         self.meta: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
-        self.on_evict = None  # callback(block, meta) before cached content is overwritten (host tier)
 
-    # -- allocation ----------------------------------------------------------------
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def allocate(self) -> int | None:
-        if not self.free:
-            return None
-        block, _ = self.free.popitem(last=False)
-        if self.on_evict is not None and block in self.meta:
-            self.on_evict(block, self.meta[block])
-        self.unregister(block)
-        self.ref[block] = 1
-        return block
-
-    def acquire(self, block: int) -> None:
-        """Take a reference on a block found in the cache."""
-        self.ref[block] += 1
-        self.free.pop(block, None)
-
-    def release(self, block: int) -> None:
-        self.ref[block] -= 1
-        if self.ref[block] < 0:
-            raise AssertionError(f"block {block} released below zero")
-        if self.ref[block] == 0:
-            self.free[block] = None
-            if block not in self.meta:  # nothing worth keeping: reuse first
-                self.free.move_to_end(block, last=False)
+    def content(self, block: int):
+        return self.meta.get(block)
 
     # -- content index -------------------------------------------------------------
     def register(self, parent: int, block_tokens: tuple[int, ...], prefix: tuple[int, ...], block: int) -> None:

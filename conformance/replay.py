@@ -21,6 +21,8 @@ from .model import TinyHybrid
 from .ops import op_to_dict
 from .oracle import Oracle
 from .repro_format import Repro, ReproFormatError
+from .checks import get_check
+from .retention import OBSERVERS
 from .session import ConformanceFailure, make_session
 
 
@@ -120,6 +122,10 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
         session = make_session(factory, repro.impl_config, model, Oracle(model), timeout=timeout)
         if env is not None:
             env.attach(session)
+        # The check's own observers judge too (a retention or hit-rate failure
+        # is theirs, not the logits'), exactly as during the run.
+        for name in _observers_of(repro.check):
+            session.observers.append(OBSERVERS[name](session))
         for i, op in enumerate(repro.steps):
             try:
                 session.apply(op)
@@ -135,6 +141,13 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
         outcome.events = list(session.history.events)[-12:]
         outcome.coverage = dict(session.coverage)
     return outcome
+
+
+def _observers_of(check_id: str) -> tuple[str, ...]:
+    try:
+        return get_check(check_id).observe
+    except KeyError:  # a scenario file names no check of this suite: logits and invariants only
+        return ()
 
 
 def witness(repro: Repro, outcome: ReplayOutcome) -> str:

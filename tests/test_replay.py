@@ -115,3 +115,14 @@ def test_parse_rejects_bool_seed():
     doc["seed"] = True
     with pytest.raises(ReproFormatError, match="seed: must be an integer"):
         parse(doc)
+
+
+def test_a_retention_failure_replays_through_its_checks_observers(tmp_path):
+    """A failure found by a check's observer (not by logits) reproduces too."""
+    out = tmp_path / "ret"
+    result = run(RunOptions(mutant="admit-first-sighting", checks=("retention-policy",), report_dir=out,
+                            examples=300, shrink="ops"))
+    (check,) = result.checks
+    assert check.status == "failed" and check.failure.kind == "retention" and check.failure.repro
+    assert cli(["replay", check.failure.repro]) == 1
+    assert cli(["replay", check.failure.repro, "--mutant", "none"]) == 0

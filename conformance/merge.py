@@ -7,7 +7,6 @@ and repros/ (paths rewritten to the merged copies).
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from dataclasses import fields

@@ -67,7 +67,7 @@ def test_transformers_comparison_rank_and_delta():
 
 def _drive(family, seed=0, **kw):
     gen = FAMILIES[family](random.Random(seed), B, VOCAB, Size(), **kw)
-    rounds, outs = [], None
+    rounds = []
     try:
         rnd = next(gen)
         while True:

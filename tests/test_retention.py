@@ -12,9 +12,7 @@ from conformance.adapters.reference import ReferenceCache
 from conformance.checks import PROFILES, get_check
 from conformance.contract import ImplConfig
 from conformance.metrics import CacheMetrics
-from conformance.model import ModelConfig, TinyHybrid
 from conformance.ops import Drain, Submit
-from conformance.oracle import Oracle
 from conformance.retention import RetentionChecker
 from conformance.run import RunOptions, run_check
 from conformance.session import ConformanceFailure, make_session
@@ -24,16 +22,6 @@ torch.set_num_threads(1)  # the tiny model gains nothing from threads; a loaded 
 
 POLICIES = [{}, {"interval": 0}, {"interval": 8}, {"admission": "second-hit"},
             {"interval": 8, "admission": "second-hit"}, {"interval": 0, "admission": "second-hit"}]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return TinyHybrid(ModelConfig())
-
-
-@pytest.fixture(scope="module")
-def oracle(model):
-    return Oracle(model)
 
 
 def session(model, oracle, options, factory=ReferenceCache, checks=("retention", "hit-rate")):

@@ -16,24 +16,12 @@ pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm]")
 from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
 from conformance.contract import ImplConfig, Layout  # noqa: E402
-from conformance.model import ModelConfig, TinyHybrid  # noqa: E402
 from conformance.ops import Abort, Drain, Step, Submit  # noqa: E402
-from conformance.oracle import Oracle  # noqa: E402
 from conformance.session import ConformanceFailure, Session  # noqa: E402
 from fault_injection.vllm_mutants import VLLM_MUTANTS  # noqa: E402
 
 B = 4
 SHARED = tuple(range(1, 12))  # 11 tokens: ends inside the third block
-
-
-@pytest.fixture(scope="module")
-def model():
-    return TinyHybrid(ModelConfig())
-
-
-@pytest.fixture(scope="module")
-def oracle(model):
-    return Oracle(model)
 
 
 def make(model, oracle, num_blocks=64, mutant=None, block_size=B, **options):

@@ -49,8 +49,6 @@ def mutants_for(impl: str) -> list:
         factory = resolve(impl)
         if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
             return []
-    if target == "vllm":
-        from fault_injection import vllm_mutants  # noqa: F401  (registers on import)
     return [m for m in MUTANTS.values() if m.target == target]
 
 

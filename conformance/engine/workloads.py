@@ -13,7 +13,7 @@ repro is the exact list of rounds instead.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generator
 
 FIRST_TOKEN = 3  # keep clear of pad/bos/eos (0, 1, 2)

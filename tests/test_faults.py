@@ -38,12 +38,18 @@ def test_faults_compose():
 
 
 def test_a_fault_that_never_fired_fails_the_run():
-    """Without a host tier nothing is ever transferred: the fault proves nothing."""
-    result = faulty_run(["transfer-corrupt"], options={}, examples=3)
+    """With the host tier turned off nothing is ever transferred: the fault proves nothing."""
+    result = faulty_run(["transfer-corrupt"], options={"host_tier": False}, examples=3)
     assert not result.ok
     assert result.faults["transfer-corrupt"]["exercised"] is False
     check = result.checks[-1]
     assert check.id == "faults-exercised" and check.status == "failed" and "transfer-corrupt" in check.failure.message
+
+
+def test_faults_turn_the_reference_host_tier_on():
+    """Asking for transfer faults on the reference gives it the tier they need."""
+    result = faulty_run(["transfer-fail:p=1"], options={}, examples=3)
+    assert result.ok and result.faults["transfer-fail"]["fired"] > 0
 
 
 class TrustingTier(HostTier):

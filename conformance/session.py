@@ -71,6 +71,7 @@ class Session:
         self.runner = Runner(self.model, self.memory)
         self.tracks: dict[str, _Track] = {}
         self._cached_before: set = set()
+        self._stalled = 0  # consecutive steps that scheduled nothing
         self.last_view = None  # the view after the latest step or abort (before the next schedule)
         self.plan_view = None  # the view taken right after the latest schedule()
 
@@ -132,7 +133,7 @@ class Session:
             self._transfers_only(plan)  # requests wait for their loads: progress, not a stall
             return
         if not plan.requests:
-            self._stalled = getattr(self, "_stalled", 0) + 1
+            self._stalled += 1
             if self._stalled >= STALL_STEPS:
                 raise ConformanceFailure("stall", f"{len(self.active())} requests active but nothing was scheduled "
                                                   f"for {STALL_STEPS} steps")

@@ -66,19 +66,13 @@ def free_while_referenced(factory):
     """A finishing request drops its blocks outright, even those another
     running request still shares: they go back to the free list in use."""
 
-    def _free(self, req):
-        for b in req.blocks:
+    def _release_blocks(self, blocks):
+        for b in blocks:
             if self.kv.ref[b] > 0:
                 self.kv.ref[b] = 1
             self.kv.release(b)
-        req.blocks = []
-        if req.slot is not None:
-            self.states.release(req.slot)
-        req.slot = None
-        if req in self.running:
-            self.running.remove(req)
 
-    return _subclass(factory, "free-while-referenced", _free=_free)
+    return _subclass(factory, "free-while-referenced", _release_blocks=_release_blocks)
 
 
 @register("snapshot-wrong-boundary", "SNAP")
@@ -123,16 +117,11 @@ def leak_on_free(factory):
     """Freeing a request releases all its KV blocks but the last (a loop bound
     off by one): the block stays referenced with nobody holding it."""
 
-    def _free(self, req):
-        for b in req.blocks[:-1]:
+    def _release_blocks(self, blocks):
+        for b in blocks[:-1]:
             self.kv.release(b)
-        if req.slot is not None:
-            self.states.release(req.slot)
-        req.blocks, req.slot = [], None
-        if req in self.running:
-            self.running.remove(req)
 
-    return _subclass(factory, "leak-on-free", _free=_free)
+    return _subclass(factory, "leak-on-free", _release_blocks=_release_blocks)
 
 
 class _PoolSetsRefOnHit(BlockPool):

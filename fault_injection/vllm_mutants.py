@@ -71,7 +71,8 @@ def local_tail_kept(adapter):
     sub-block tail is never released): the request adopts the *cached* partial
     blocks, and the external load then writes the later KV and recurrent state
     into blocks the prefix cache still registers for the shorter prefix.
-    Needs the store connector (``options={"connector": {...}}``)."""
+    Needs the store connector and sub-block matching: runs of this mutant
+    turn both on."""
     _check(adapter)
     manager = adapter.scheduler.kv_cache_manager
     manager.truncate_computed_blocks = lambda blocks, num_computed_tokens: blocks  # instance attribute only
@@ -99,5 +100,11 @@ def _factory_wrapper(name: str, apply: Callable):
     return wrap
 
 
+# The configuration each buggy code path needs to run at all: the tail a
+# longer external hit should release exists only with a tier and sub-block
+# matching (vLLM's default matches whole blocks).
+OPTIONS = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1}}
+
 for _name, _apply in VLLM_MUTANTS.items():
-    register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm")(_factory_wrapper(_name, _apply))
+    register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm",
+             options=OPTIONS.get(_name))(_factory_wrapper(_name, _apply))

@@ -187,21 +187,20 @@ def tier_ops():
     return ops
 
 
-def make_tiered(model, oracle, divergent, mutant=None):
-    s = make(model, oracle, num_blocks=24, mutant=mutant, connector={"divergent": divergent})
-    s.impl.attach_memory(s.memory)
-    return s
+def make_tiered(model, oracle, divergent, mutant=None, load_async=True):
+    return make(model, oracle, num_blocks=24, mutant=mutant, connector={"divergent": divergent, "async": load_async})
 
 
+@pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("divergent", [False, True])
-def test_store_tier_through_connector(model, oracle, divergent):
+def test_store_tier_through_connector(model, oracle, divergent, load_async):
     """vLLM's scheduler reconciles local hits with the store's external hits
     (sub-block local tails dropped when the store is longer); loaded KV and
-    states give reference logits."""
-    s = make_tiered(model, oracle, divergent)
+    states give reference logits, loaded synchronously or asynchronously."""
+    s = make_tiered(model, oracle, divergent, load_async=load_async)
     apply_all(s, tier_ops())
-    store = s.impl.connector.store
-    assert store.loads > 0 and store.loaded_tokens > 0
+    stats = s.impl.connector.stats
+    assert stats["loads"] > 0 and stats["loaded_tokens"] > 0 and stats["failed_loads"] == 0
     assert s.impl.connector.supports_divergent_local_hybrid_hits is divergent
     # the scheduler offered block-aligned local hits and the store claimed beyond them
     assert any(claimed > 0 and offered % B == 0 for _, offered, claimed in s.impl.connector.log)
@@ -236,3 +235,61 @@ def test_mutants_are_documented_and_registered():
     for name, apply in VLLM_MUTANTS.items():
         assert apply.__doc__ and len(apply.__doc__) > 40, name
         assert MUTANTS[name].target == "vllm"
+
+
+def _fault_names():
+    from fault_injection.environment import FAULTS
+
+    return sorted(FAULTS)
+
+
+@pytest.mark.parametrize("fault", _fault_names())
+def test_connector_survives_environment_faults(model, oracle, fault):
+    """A store that refuses, loses or evicts entries, and transfers that fail,
+    arrive short, corrupted or late, under the store connector: the
+    connector verifies what landed, vLLM's asynchronous-load path
+    (failed_recving, then recompute) keeps every logit right, nothing leaks."""
+    from fault_injection.environment import build_faults
+
+    s = make_tiered(model, oracle, divergent=False)
+    faults = build_faults((fault,), seed=3)
+    faults.attach(s)
+    apply_all(s, tier_ops())
+    where = faults.report()[fault]["where"]
+    assert where, f"{fault} never fired"
+    stats = s.impl.connector.stats
+    if fault != "transfer-reorder" and any(w["direction"] == "load" for w in where):
+        assert stats["failed_loads"] > 0, stats  # a bad load was noticed, not trusted
+
+
+@pytest.mark.parametrize("mutant", sorted(VLLM_MUTANTS))
+def test_state_machine_catches_every_vllm_mutant(mutant, tmp_path):
+    """The mutants self-check, as ``hybrid-conformance mutants --impl vllm``
+    runs it: the general checks (here the first of the profile, with the
+    options each mutant's code path needs) catch each vLLM mutant, and the
+    repro it writes replays the failure."""
+    import json
+
+    from conformance.commands.mutants import run_mutant
+    from conformance.replay import replay
+    from conformance.repro_format import load
+    from conformance.run import RunOptions
+    from fault_injection import get_mutant
+
+    entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=("mid-block-hits",)), tmp_path / mutant)
+    assert entry["detected"], entry["not_detections"]
+    assert entry["kind"] in ("logits", "invariant") and entry["repro_steps"] <= 8, entry
+    repro = json.loads(open(entry["repro"]).read())
+    assert repro["impl"] == "vllm" and repro["mutant"] == mutant
+    assert replay(load(entry["repro"])).reproduced
+
+
+def test_faults_through_the_state_machine(tmp_path):
+    """``run --impl vllm --faults ...`` turns the store connector on; the
+    faults fire inside Hypothesis-driven runs and vLLM still passes."""
+    from conformance.run import RunOptions, run
+
+    faults = ("alloc-fail", "transfer-fail", "transfer-corrupt", "transfer-partial")
+    result = run(RunOptions(impl="vllm", checks=("eviction-pressure",), faults=faults, report_dir=tmp_path))
+    assert [(c.id, c.status) for c in result.checks] == [("eviction-pressure", "passed")]
+    assert all(result.faults[f]["fired"] > 0 for f in faults), result.faults

@@ -50,6 +50,7 @@ class Match:
 class ReferenceCache:
     name = "reference"
     version = "1.0"
+    tier_option = ("host_tier", True)  # how the harness turns the second tier on (faults, tier mutants)
 
     def __init__(self, config: ImplConfig | None = None):
         config = config or ImplConfig()

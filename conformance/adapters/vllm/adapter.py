@@ -10,6 +10,8 @@ hands back the sampled tokens as a ModelRunnerOutput.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import vllm
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -33,6 +35,7 @@ _EOS = 2
 class VllmCache:
     name = "vllm"
     version = vllm.__version__
+    tier_option = ("connector", True)  # the store connector, asynchronous loads (see .connector)
 
     def __init__(self, config: ImplConfig | None = None):
         config = config or ImplConfig()
@@ -41,7 +44,7 @@ class VllmCache:
         init_none_hash(sha256)  # a process-wide seed every block hash chains from
         self.connector = None
         kv_transfer = None
-        if self.opts.connector is not None:
+        if self.opts.connector not in (None, False):
             from .connector import connector_transfer_config
 
             kv_transfer = connector_transfer_config(self.opts.connector)
@@ -60,6 +63,7 @@ class VllmCache:
         self.registry = HashRegistry(self.opts.prefix_match_unit)
         self.requests: dict[str, VRequest] = {}  # live requests, ours to read (vLLM drops finished ones)
         self._pending = None  # the SchedulerOutput of the plan being executed
+        self._pending_plan = None
         self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "resumed": 0}
 
     @property
@@ -83,7 +87,11 @@ class VllmCache:
 
     def schedule(self, budget: int) -> StepPlan:
         if self._pending is not None:
-            raise RuntimeError("schedule() called twice without update()")
+            if self._pending_plan.requests:
+                raise RuntimeError("schedule() called twice without update()")
+            # A plan with nothing to compute whose update() the harness skipped
+            # (nothing was in flight after all): close vLLM's step now.
+            self._close(self._pending)
         # The harness budget is the scheduler's token budget for this step.
         # vLLM reads it at the top of schedule() and for align-mode chunk cuts.
         self.scheduler.max_num_scheduled_tokens = max(1, int(budget))
@@ -96,24 +104,29 @@ class VllmCache:
         plan = self.runner.to_plan(so)
         self._record_hashes()
         if self.connector is not None:
-            # The external tier's loads land in memory before the step runs.
-            self.connector.apply_loads(so, {rs.request_id: rs.start for rs in plan.requests})
-        if not plan.requests:
-            # Nothing to run: vLLM's engine still closes the step (the harness
-            # does not call update() for an empty plan).
-            self.scheduler.update_from_output(so, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+            # The previous step's saves and this step's loads; the harness runs
+            # them before the step's copies and computations.
+            plan = replace(plan, transfers=self.connector.transfers(so))
+        if not plan.requests and not plan.transfers and not (self.connector and self.connector.busy()):
+            # Nothing to run and nothing in flight: vLLM's engine still closes
+            # the step (the harness does not call update() for such a plan).
+            self._close(so)
             return plan
-        self._pending = so
+        self._pending, self._pending_plan = so, plan
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[str]:
         so, self._pending = self._pending, None
         if self.connector is not None:
-            self.connector.save_step(plan)  # what the step computed, copied out to the store
+            self.connector.complete(result.transfers)
+            if so is not None:
+                self.connector.save_step(plan)  # offloaded at the start of the next step
+        if so is None:
+            return []  # completions of a step already closed: reported with the next one
         ids = list(so.num_scheduled_tokens)
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
                                 sampled_token_ids=[[result.sampled[r]] if r in result.sampled else [] for r in ids],
-                                kv_connector_output=self._connector_output(so))
+                                kv_connector_output=self._connector_output())
         self.scheduler.update_from_output(so, out)
         self._record_hashes()
         finished = [rid for rid, req in self.requests.items()
@@ -121,13 +134,6 @@ class VllmCache:
         for rid in finished:
             del self.requests[rid]
         return finished
-
-    def attach_memory(self, memory) -> None:
-        """Connector mode only: the store's worker side reads and writes the
-        harness memory (the "device").  Not part of the contract: a Session
-        does not call it yet, so a test or the caller must."""
-        if self.connector is not None:
-            self.connector.memory = memory
 
     def abort(self, request_id: str) -> None:
         self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
@@ -144,6 +150,10 @@ class VllmCache:
         for req in self.requests.values():
             self.registry.record(req)
 
-    def _connector_output(self, so):
-        # Loads are synchronous (never WAITING_FOR_REMOTE_KVS): nothing to report.
-        return None
+    def _connector_output(self):
+        return self.connector.connector_output() if self.connector is not None else None
+
+    def _close(self, so) -> None:
+        self._pending = None
+        self.scheduler.update_from_output(so, ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                                                                kv_connector_output=self._connector_output()))

@@ -105,6 +105,26 @@ def test_run_exits_by_the_expectations(tmp_path, capsys):
     assert cli(["run", "--expectations", str(tmp_path / "missing.toml")]) == 2
 
 
+def test_expectations_can_depend_on_the_run_options(runs, tmp_path, capsys):
+    """A `when` rule changes the expected status only for runs whose options match it."""
+    exp = tmp_path / "reference-1.0.toml"
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   '[[checks."mid-block-hits".when]]\noptions = { interval = 4 }\nstatus = "passed"\n')
+    mut, ref = _load(runs / "mut"), _load(runs / "ref")
+    assert compare_with_expectations(mut, exp) == ([], [])
+    assert compare_with_expectations(ref, exp) == ([], ["mid-block-hits"])
+    for doc in (mut, ref):
+        doc["impl_config"] = {"options": {"interval": 4, "other": True}}
+    assert compare_with_expectations(mut, exp) == (["mid-block-hits"], [])
+    assert compare_with_expectations(ref, exp) == ([], [])
+    ref["impl_config"]["options"]["interval"] = 8  # another value: the rule does not apply
+    assert compare_with_expectations(ref, exp) == ([], ["mid-block-hits"])
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks.x]\nstatus = "failed"\n'
+                   '[[checks.x.when]]\noptions = {}\nstatus = "passed"\n')
+    assert cli(["compare", str(exp), str(runs / "ref")]) == 2
+    assert "when: must be a list" in capsys.readouterr().err
+
+
 def test_find_expectations_tells_impls_apart(tmp_path, capsys):
     from conformance.compare import find_expectations
 

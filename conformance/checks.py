@@ -57,7 +57,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     # performance bug, so it is its own family: "hit-rate".
     CheckSpec("retention-policy", "retention",
               "states cached only at declared checkpoints; second-hit admission never admits a first sighting",
-              frozenset({"continue", "step"}), ("checkpoints_offered", "repeat_sightings"),
+              frozenset({"continue", "step"}), ("checkpoints_offered", "admissions"),
               options={"interval": 8, "admission": "second-hit"}, observe=("retention",)),
     CheckSpec("retention-hit-rate", "hit-rate",
               "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",

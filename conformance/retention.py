@@ -4,12 +4,20 @@ An implementation may declare its policy with an optional ``retention()``
 method (see ``contract.OPTIONAL_METHODS``)::
 
     {"interval": None | I, "admission": "always" | "second-hit",
-     "prompt_ends": True, "sequence_ends": bool}
+     "prompt_ends": True | "tail", "sequence_ends": bool,
+     "hash_unit": u, "junctions": None | J}
 
 From it the harness derives, per request, the *checkpoints*: the prompt end,
 every multiple of I that is computed (of the block size when I is None; none
 when I = 0) and, with ``sequence_ends``, the last computed position of a
-request that finished.  A *sighting* is one request computing through a
+request that finished.  Two rules describe engines that cannot checkpoint the
+prompt end itself (vLLM's Mamba "align" mode, whose prefill chunks end on
+hash boundaries): ``prompt_ends = "tail"`` puts the prompt's checkpoint at its
+*tail*, the last multiple t of ``hash_unit`` before the last prompt token,
+and at the block boundary at or before t (where the chunk before the tail
+ends); ``junctions = J`` adds Marconi's shared-prefix junction: a new request
+whose prompt the cached KV covers further than the hit it starts from has a
+checkpoint where that KV coverage ends, rounded down to a multiple of J.  A *sighting* is one request computing through a
 checkpoint (not reusing it), once per request and position; under second-hit
 a prefix that some request offered is a checkpoint for every later request
 that computes through it (that is how a shared prefix gets its second
@@ -28,7 +36,8 @@ Two families, reported apart because they are different kinds of bug:
 
 from __future__ import annotations
 
-from .reuse import INDEXES, LookupWindow
+from .contract import CacheView
+from .reuse import INDEXES, LookupWindow, ViewIndex
 from .session import ConformanceFailure
 
 FAMILIES = ("retention", "hit-rate")
@@ -49,8 +58,16 @@ def declared_retention(session) -> dict | None:
         raise ConformanceFailure("contract", f"retention(): interval must be None or an integer >= 0, got {interval!r}")
     if admission not in ("always", "second-hit"):
         raise ConformanceFailure("contract", f"retention(): unknown admission {admission!r}")
-    return {"interval": interval, "admission": admission, "prompt_ends": bool(decl.get("prompt_ends", True)),
-            "sequence_ends": bool(decl.get("sequence_ends", False))}
+    prompt_ends = decl.get("prompt_ends", True)
+    if prompt_ends not in (True, False, "tail"):
+        raise ConformanceFailure("contract", f"retention(): prompt_ends must be true, false or \"tail\", got {prompt_ends!r}")
+    units = {k: decl.get(k) for k in ("hash_unit", "junctions")}
+    for key, unit in units.items():
+        if unit is not None and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
+            raise ConformanceFailure("contract", f"retention(): {key} must be an integer >= 1, got {unit!r}")
+    return {"interval": interval, "admission": admission, "prompt_ends": prompt_ends,
+            "sequence_ends": bool(decl.get("sequence_ends", False)), "hash_unit": units["hash_unit"] or 1,
+            "junctions": units["junctions"]}
 
 
 class RetentionChecker:
@@ -68,12 +85,18 @@ class RetentionChecker:
         self.window = LookupWindow()
         self.recorded: dict[tuple[int, ...], int] = {}  # prefix -> step in which it was first offered
         self.step_no = 0
+        self.junctions: dict[str, int] = {}  # request -> its shared-prefix junction (0: none)
 
     # -- the declared checkpoints ---------------------------------------------------
     def checkpoints(self, start: int, end: int, prompt_len: int) -> list[int]:
         interval = self.decl["interval"]
         step = self.B if interval is None else interval
-        out = {prompt_len} if self.decl["prompt_ends"] and start < prompt_len <= end else set()
+        if self.decl["prompt_ends"] == "tail":
+            tail = (prompt_len - 1) // self.decl["hash_unit"] * self.decl["hash_unit"]
+            ends = {tail, tail // self.B * self.B}
+        else:
+            ends = {prompt_len} if self.decl["prompt_ends"] else set()
+        out = {q for q in ends if start < q <= end}
         if step > 0:
             out.update(range((start // step + 1) * step, end + 1, step))
         return sorted(q for q in out if q > 0)
@@ -90,6 +113,8 @@ class RetentionChecker:
         for rs in plan.requests:
             track = session.tracks[rs.request_id]
             qs = self.checkpoints(rs.start, rs.end, track.prompt_len)
+            if self.decl["junctions"]:
+                qs += self._junction(session, view_before, track, rs)
             if self.decl["admission"] == "second-hit":
                 qs += self._sighted(track.tokens, rs.start, rs.end)
             if rs.request_id in finished and self.decl["sequence_ends"]:
@@ -110,6 +135,9 @@ class RetentionChecker:
             key = "first_sightings" if n == 1 else "repeat_sightings"
             cov[key] = cov.get(key, 0) + 1
             if admit:
+                # the situation the admission rule is about: a checkpoint it
+                # lets in (under second-hit, exactly the repeat sightings)
+                cov["admissions"] = cov.get("admissions", 0) + 1
                 self.admissible.add(prefix)
             if not admit and prefix in now.states:
                 self._fail("retention", f"request {rid}: the state after {q} tokens was admitted on its first "
@@ -123,6 +151,24 @@ class RetentionChecker:
             if prefix not in self.admissible:
                 self._fail("retention", f"a state after {len(prefix)} tokens was cached, a position the declared "
                                         f"policy {self._policy()} never checkpoints (or has not admitted yet)")
+
+    def _junction(self, session, view_before, track, rs) -> list[int]:
+        """The request's junction: where the KV that other requests had cached
+        when it was first scheduled (``plan_view``: an engine may register a
+        request's blocks as it schedules them, so a request arriving in the
+        same step counts) stops covering its prompt, rounded down to the
+        junction unit; a checkpoint when a step reaches it past the hit."""
+        rid = rs.request_id
+        if track.steps == 1:
+            # its own blocks: those past the hit that no one had cached before
+            before = {e.block for e in view_before.cached_kv} if view_before is not None else set()
+            own = set(rs.block_table[rs.start // self.B:]) - before
+            others = CacheView(cached_kv=tuple(e for e in session.plan_view.cached_kv if e.block not in own))
+            covered = ViewIndex.of(others, self.B).kv_servable(track.tokens[: track.prompt_len])
+            unit = self.decl["junctions"]
+            self.junctions[rid] = covered // unit * unit if covered > rs.start else 0
+        q = self.junctions.get(rid, 0)
+        return [q] if rs.start < q <= rs.end else []
 
     def _sighted(self, tokens, start: int, end: int) -> list[int]:
         """Under second-hit, a prefix some request offered is a checkpoint for

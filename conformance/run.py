@@ -184,14 +184,28 @@ def check_impl_config(spec: CheckSpec, opts: RunOptions):
     return spec.impl_config(block_size=opts.block_size, options={**spec.options, **opts.impl_options})
 
 
+def _declares_retention(factory, impl_config) -> bool:
+    """Whether the implementation, built with this configuration, declares a
+    retention policy (an engine may declare one for some settings only)."""
+    if isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
+        return False
+    try:
+        impl = factory(impl_config)
+    except Exception:  # noqa: BLE001 - the check itself will report it, with context
+        return True
+    retention = getattr(impl, "retention", None)
+    return callable(retention) and retention() is not None
+
+
 def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts: RunOptions, profile,
               index: int, env=None, notify=lambda *a, **k: None) -> CheckResult:
     examples = opts.examples or profile.examples
     steps = opts.steps or profile.steps
     impl_config = check_impl_config(spec, opts)
-    if spec.observe and isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
+    if spec.observe and not _declares_retention(factory, impl_config):
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
-                           reason="the implementation declares no retention policy (optional retention() method)")
+                           reason=f"the implementation declares no retention policy (optional retention() "
+                                  f"method) for the options {impl_config.options}")
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
                                                     steps=r.steps, of=examples))
     cache_metrics = CacheMetrics()

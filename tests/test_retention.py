@@ -97,6 +97,59 @@ def test_undeclared_policy_is_skipped(model, oracle):
     assert res.status == "skipped" and "retention" in res.reason
 
 
+def test_policy_declared_for_some_options_only_is_skipped_for_the_others(model, oracle):
+    class IntervalZeroOnly(ReferenceCache):
+        def retention(self):
+            return super().retention() if self.policy.interval == 0 else None
+
+    spec = get_check("retention-policy")  # interval 8 unless overridden
+    res = run_check(IntervalZeroOnly, spec, model, oracle, RunOptions(), PROFILES["quick"], 0)
+    assert res.status == "skipped" and "'interval': 8" in res.reason
+    res = run_check(IntervalZeroOnly, spec, model, oracle, RunOptions(examples=3, steps=4,
+                                                                        impl_options={"interval": 0}),
+                    PROFILES["quick"], 0)
+    assert res.status != "skipped"
+
+
+def test_tail_checkpoints_and_junctions(model, oracle):
+    """The rules for engines that checkpoint at hash boundaries (vLLM's align
+    mode): the prompt's tail and the block boundary before it; a junction
+    where other requests' cached KV stops covering a new prompt."""
+    s = session(model, oracle, {"interval": 0}, checks=())
+    checker = RetentionChecker(s, "retention")
+    checker.decl = {**checker.decl, "prompt_ends": "tail", "hash_unit": 1, "junctions": 4}
+    assert checker.checkpoints(0, 11, 11) == [8, 10]  # tail 10, block boundary 8
+    assert checker.checkpoints(0, 9, 11) == [8] and checker.checkpoints(8, 11, 11) == [10]
+    checker.decl["hash_unit"] = 4
+    assert checker.checkpoints(0, 11, 11) == [8] and checker.checkpoints(0, 16, 16) == [12]
+    # a junction: "a" cached the KV of 9 shared tokens; "b" starts fresh (no
+    # state there), so its junction is 8, a checkpoint once a step reaches it
+    shared = tuple(range(1, 10))
+    s.apply(Submit("a", shared + (50,), 1))
+    s.apply(Drain(1024))
+    s.apply(Submit("b", shared + (60, 61), 1))
+    view_before = s.last_view
+    plan = s._call("schedule", 4)
+    s.plan_view = s._call("view")
+    step = next(r for r in plan.requests if r.request_id == "b")
+    s.tracks["b"].steps = 1  # as after its first step
+    got = checker._junction(s, view_before, s.tracks["b"], step)
+    assert (step.start, step.end) == (0, 4) and checker.junctions["b"] == 8 and got == []
+    later = type(step)("b", 4, 8, step.block_table, step.state_slot)
+    assert checker._junction(s, view_before, s.tracks["b"], later) == [8]  # reached on a later step
+
+
+def test_malformed_declarations_are_contract_failures(model, oracle):
+    for bad in ({"prompt_ends": "end"}, {"hash_unit": 0}, {"junctions": True}):
+        class Bad(ReferenceCache):
+            def retention(self, bad=bad):
+                return {**super().retention(), **bad}
+
+        with pytest.raises(ConformanceFailure) as exc:
+            session(model, oracle, {}, factory=Bad)
+        assert exc.value.kind == "contract", bad
+
+
 def test_drop_prompt_end_checkpoint_is_a_hit_rate_failure(model, oracle):
     mutant = get_mutant("drop-prompt-end-checkpoint").wrap(ReferenceCache)
     mixed_traffic(session(model, oracle, {"interval": 8}, mutant, checks=("retention",)))  # no policy violation...

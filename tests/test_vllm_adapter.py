@@ -293,3 +293,22 @@ def test_faults_through_the_state_machine(tmp_path):
     result = run(RunOptions(impl="vllm", checks=("eviction-pressure",), faults=faults, report_dir=tmp_path))
     assert [(c.id, c.status) for c in result.checks] == [("eviction-pressure", "passed")]
     assert all(result.faults[f]["fired"] > 0 for f in faults), result.faults
+
+
+@pytest.mark.parametrize("unit", [1, B])
+def test_declared_retention_holds(model, oracle, unit):
+    """Under its default interval (0) vLLM declares its align-mode
+    checkpoints (prompt tails, junctions); both retention families hold on a
+    generic sequence with shared prefixes, a junction and a continuation.
+    Settings the schema cannot state are not declared (the checks skip them)."""
+    from conformance.retention import RetentionChecker
+
+    s = make(model, oracle, prefix_match_unit=unit)
+    for family in ("retention", "hit-rate"):
+        s.observers.append(RetentionChecker(s, family))
+    for op in generic_ops(s):
+        s.apply(op)
+    assert s.coverage["checkpoints_offered"] > 0 and s.coverage["state_lookups"] > 0
+    assert any(s.observers[0].junctions.values()), "no junction occurred"
+    for options in ({"retention_interval": 8}, {"retention_interval": None}, {"shared_prefix_checkpoint": True}):
+        assert VllmCache(ImplConfig(block_size=B, options=options)).retention() is None, options

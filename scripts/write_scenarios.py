@@ -44,7 +44,7 @@ U1, U2, U3 = [21, 22, 23], [31, 32, 33, 34, 35], [41, 42]
 SCENARIOS: dict[str, dict] = {}
 
 
-def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_config=None):
+def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_config=None, impl="reference"):
     SCENARIOS[name] = {
         "schema": "hybrid-cache-conformance/repro",
         "schema_version": 2,
@@ -52,8 +52,8 @@ def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_
         "upstream": upstream,
         "bug_class": bug_class,
         "description": description,
-        "impl": "reference",
-        "implementation": "reference",
+        "impl": impl,
+        "implementation": impl,
         "mutant": mutant,
         "faults": [],
         "seed": 0,
@@ -179,6 +179,40 @@ scenario(
     "copy, so the snapshot registered as 'after 8 tokens' now holds the state after 10, and a third request "
     "with the same prefix resumes from it.",
     [sub("warm", SYS + U1), drain(), sub("short", SYS + [1, 2]), drain(), sub("third", SYS + U2), drain()])
+
+
+# -- vLLM's own scheduler and cache manager, with a mutant wrapped around one decision ------
+# (need vLLM installed: pip install -e '.[vllm]'; tests skip them otherwise)
+
+scenario(
+    "vllm-hit-state-from-wrong-column", "vllm-state-wrong-position", "SNAP",
+    "vLLM: a prefix hit resumes from the recurrent state one block column too early",
+    ["vllm#39273", "vllm#54076"],
+    "vLLM keeps the state at the first prompt's tail (8 tokens). The second request hits 8 tokens, and the "
+    "runner must copy the state from Mamba column (8-1)//4 = 1 before extending; the mutant's runner takes "
+    "column 0 (the off-by-one of vllm#39273's column indexing), so the state is another position's, or never "
+    "written.",
+    [sub("first", SYS + U1), drain(), sub("second", SYS + U2), drain()], impl="vllm")
+
+scenario(
+    "vllm-attention-hit-without-state", "vllm-groups-not-reconciled", "GROUPS",
+    "vLLM: the coordinator takes the attention hit without reconciling the Mamba group",
+    ["LMCache#2845", "LMCache#2863", "vllm#53505"],
+    "The first request caches the KV of 12 tokens but keeps the state only at its tail boundary (8). The "
+    "second extends the same prompt: the attention group hits 12, the Mamba group 8. The mutant coordinator "
+    "lets the attention hit stand, so num_computed_tokens advances to 12 with no state there.",
+    [sub("first", SYS + U1 + [24]), drain(), sub("second", SYS + U1 + [24] + U3), drain()], impl="vllm")
+
+scenario(
+    "vllm-local-tail-kept-under-external-hit", "vllm-local-tail-kept", "TIER",
+    "vLLM: a longer external hit wins, but the local sub-block tail is not released",
+    ["vllm#53505", "LMCache#2845"],
+    "With sub-block matching and the store connector: the first request leaves a local state at its tail (3 "
+    "tokens, inside the first block) and the store gets the KV block and state at 4. The second request's "
+    "local hit is 3; the store's 4 is longer, so vLLM drops the local tail, but the mutant keeps the cached "
+    "partial blocks and the load writes the state at 4 into the block the cache registers as the state at 3.",
+    [sub("first", SYS[:4], 3), drain(), sub("second", SYS[:4] + U2 + U1), drain()],
+    impl_config={"options": {"connector": True, "prefix_match_unit": 1}}, impl="vllm")
 
 
 def main(names: list[str]) -> None:

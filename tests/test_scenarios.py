@@ -43,6 +43,9 @@ def test_the_catalogue_is_there():
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_scenario_fails_on_its_mutant_and_passes_on_the_reference(path, tiny):
     repro = load(path)
+    if repro.impl == "vllm":
+        pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm] (the scenario runs "
+                                           "vLLM's scheduler)")
     if repro.mutant not in _registered():
         pytest.skip(f"mutant {repro.mutant!r} is not registered in fault_injection yet")
     bad = replay(repro, model=tiny)

@@ -5,7 +5,7 @@ method (see ``contract.OPTIONAL_METHODS``)::
 
     {"interval": None | I, "admission": "always" | "second-hit",
      "prompt_ends": True | "tail", "sequence_ends": bool,
-     "hash_unit": u, "junctions": None | J}
+     "hash_unit": u, "junctions": None | J, "interval_at": "anywhere" | "chunk-ends"}
 
 From it the harness derives, per request, the *checkpoints*: the prompt end,
 every multiple of I that is computed (of the block size when I is None; none
@@ -17,7 +17,10 @@ hash boundaries): ``prompt_ends = "tail"`` puts the prompt's checkpoint at its
 and at the block boundary at or before t (where the chunk before the tail
 ends); ``junctions = J`` adds Marconi's shared-prefix junction: a new request
 whose prompt the cached KV covers further than the hit it starts from has a
-checkpoint where that KV coverage ends, rounded down to a multiple of J.  A *sighting* is one request computing through a
+checkpoint where that KV coverage ends, rounded down to a multiple of J; and
+``interval_at = "chunk-ends"`` keeps a multiple of I (or of the block size)
+only where a step ends on it, for engines that cannot snapshot inside a
+chunk (the default, ``"anywhere"``, keeps every multiple computed).  A *sighting* is one request computing through a
 checkpoint (not reusing it), once per request and position; under second-hit
 a prefix that some request offered is a checkpoint for every later request
 that computes through it (that is how a shared prefix gets its second
@@ -65,9 +68,13 @@ def declared_retention(session) -> dict | None:
     for key, unit in units.items():
         if unit is not None and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
             raise ConformanceFailure("contract", f"retention(): {key} must be an integer >= 1, got {unit!r}")
+    interval_at = decl.get("interval_at", "anywhere")
+    if interval_at not in ("anywhere", "chunk-ends"):
+        raise ConformanceFailure("contract", f"retention(): interval_at must be \"anywhere\" or \"chunk-ends\", "
+                                             f"got {interval_at!r}")
     return {"interval": interval, "admission": admission, "prompt_ends": prompt_ends,
             "sequence_ends": bool(decl.get("sequence_ends", False)), "hash_unit": units["hash_unit"] or 1,
-            "junctions": units["junctions"]}
+            "junctions": units["junctions"], "interval_at": interval_at}
 
 
 class RetentionChecker:
@@ -97,7 +104,9 @@ class RetentionChecker:
         else:
             ends = {prompt_len} if self.decl["prompt_ends"] else set()
         out = {q for q in ends if start < q <= end}
-        if step > 0:
+        if step > 0 and self.decl["interval_at"] == "chunk-ends":
+            out.update({end} if end % step == 0 else set())
+        elif step > 0:
             out.update(range((start // step + 1) * step, end + 1, step))
         return sorted(q for q in out if q > 0)
 
@@ -146,6 +155,13 @@ class RetentionChecker:
                 why = "reached" if self.decl["admission"] == "always" else f"sighted {n} times"
                 self._fail("hit-rate", f"request {rid}: checkpoint at position {q} ({why}) is not cached after "
                                        f"the step, though the declared policy {self._policy()} keeps it")
+        for rs in plan.requests:
+            track = session.tracks[rs.request_id]
+            if track.steps == 1 and rs.start > 0:
+                # The state a new request resumes from may be cached: it was
+                # already kept somewhere (an implementation may register a
+                # state it loaded from another tier only when the request uses it).
+                self.admissible.add(track.tokens[: rs.start])
         before = INDEXES.get(view_before, self.B)
         for prefix in now.states - before.states:
             if prefix not in self.admissible:

@@ -122,6 +122,14 @@ def test_tail_checkpoints_and_junctions(model, oracle):
     assert checker.checkpoints(0, 9, 11) == [8] and checker.checkpoints(8, 11, 11) == [10]
     checker.decl["hash_unit"] = 4
     assert checker.checkpoints(0, 11, 11) == [8] and checker.checkpoints(0, 16, 16) == [12]
+    # interval boundaries: anywhere in the chunk, or only where the step ends
+    checker.decl.update(interval=8, hash_unit=1)
+    assert checker.checkpoints(0, 20, 30) == [8, 16]
+    checker.decl["interval_at"] = "chunk-ends"
+    assert checker.checkpoints(0, 20, 30) == [] and checker.checkpoints(4, 16, 30) == [16]
+    checker.decl["interval"] = None  # dense: every block boundary a step ends on
+    assert checker.checkpoints(0, 12, 30) == [12] and checker.checkpoints(9, 11, 11) == [10]
+    checker.decl.update(interval=0, hash_unit=4)
     # a junction: "a" cached the KV of 9 shared tokens; "b" starts fresh (no
     # state there), so its junction is 8, a checkpoint once a step reaches it
     shared = tuple(range(1, 10))
@@ -140,7 +148,7 @@ def test_tail_checkpoints_and_junctions(model, oracle):
 
 
 def test_malformed_declarations_are_contract_failures(model, oracle):
-    for bad in ({"prompt_ends": "end"}, {"hash_unit": 0}, {"junctions": True}):
+    for bad in ({"prompt_ends": "end"}, {"hash_unit": 0}, {"junctions": True}, {"interval_at": "ends"}):
         class Bad(ReferenceCache):
             def retention(self, bad=bad):
                 return {**super().retention(), **bad}

@@ -140,22 +140,22 @@ class VllmCache:
         self.requests.pop(request_id, None)
 
     def retention(self) -> dict | None:
-        """vLLM's align-mode checkpoints under its default retention interval
-        (0), as the harness's retention schema states them
-        (conformance/retention.py): the prompt's tail and the block boundary
-        before it, and Marconi junctions floored to a block.
+        """vLLM's align-mode checkpoints, as the harness's retention schema
+        states them (conformance/retention.py): the prompt's tail and the
+        block boundary before it, Marconi junctions floored to a block, and
+        the retention interval's boundaries (every block when dense) only
+        where a prefill chunk or decode step ends: align mode publishes a
+        state only at the end of a step.
 
-        Other settings are not declared, so the retention checks skip them:
-        vLLM publishes states only where a prefill chunk ends, so dense
-        retention keeps every chunk end (not every block boundary) and an
-        interval N keeps one state per N-token segment, neither of which the
-        schema's "every multiple of I" describes; the shared-prefix
-        checkpoint adds sub-block junction states by a rule not modelled yet."""
+        Not declared (the retention checks skip it): the shared-prefix
+        checkpoint, which adds sub-block junction states by a rule not
+        modelled yet."""
         o = self.opts
-        if o.retention_interval != 0 or o.shared_prefix_checkpoint:
+        if o.shared_prefix_checkpoint:
             return None
-        return {"interval": 0, "admission": "always", "prompt_ends": "tail", "sequence_ends": False,
-                "hash_unit": o.prefix_match_unit, "junctions": o.block_size}
+        return {"interval": o.retention_interval, "admission": "always", "prompt_ends": "tail",
+                "sequence_ends": False, "hash_unit": o.prefix_match_unit, "junctions": o.block_size,
+                "interval_at": "chunk-ends"}
 
     def view(self):
         running = tuple(r.request_id for r in self.scheduler.running)

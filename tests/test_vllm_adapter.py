@@ -311,3 +311,26 @@ def test_declared_retention_holds(model, oracle, unit, interval):
     assert s.coverage["checkpoints_offered"] > 0 and s.coverage["state_lookups"] > 0
     assert any(s.observers[0].junctions.values()), "no junction occurred"
     assert VllmCache(ImplConfig(block_size=B, options={"shared_prefix_checkpoint": True})).retention() is None
+
+
+def test_abort_while_an_async_load_is_in_flight(model, oracle):
+    """A request aborted in WAITING_FOR_REMOTE_KVS keeps its blocks until its
+    late load completes (vLLM delays the free); then nothing is leaked."""
+    from fault_injection.environment import build_faults
+
+    s = make_tiered(model, oracle, divergent=False)
+    faults = build_faults(("transfer-reorder:p=1",), seed=0)  # every load completes a step late
+    faults.attach(s)
+    ops = tier_ops()
+    cut = ops.index(Submit("b", SHARED + (20, 21, 22, 23, 24, 26), 2))
+    for op in ops[:cut]:
+        s.apply(op)
+    s.apply(Submit("b", SHARED + (20, 21, 22, 23, 24, 26), 2))
+    s.apply(Step(64))  # b claims the store's blocks; its loads are issued and deferred
+    assert s.impl.connector.loading.get("b"), "no load in flight for b"
+    s.apply(Abort("b"))
+    s.apply(Submit("z", (60, 61, 62, 63, 1), 1))
+    s.apply(Drain(64))  # the late completion arrives; vLLM frees b's blocks
+    assert not s.impl.connector.busy() and not s.runner.transport.busy()
+    view = s.impl.view()
+    assert not view.running and all(n == 0 for n in view.kv_refcounts.values()), view.kv_refcounts

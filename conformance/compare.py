@@ -131,27 +131,42 @@ def load_expectations(path: str | Path) -> dict:
         elif not isinstance(up, list):
             raise CompareInputError(f'{path}: checks."{cid}".upstream: must be a string or a list')
         when = entry.get("when", [])
-        if not isinstance(when, list) or not all(
-                isinstance(w, dict) and isinstance(w.get("options"), dict) and w["options"]
-                and w.get("status") in ("passed", "failed") for w in when):
-            raise CompareInputError(f'{path}: checks."{cid}".when: must be a list of tables with non-empty '
-                                    f'"options" and a "status" of "passed" or "failed"')
+        if not isinstance(when, list) or not all(_valid_rule(w) for w in when):
+            raise CompareInputError(f'{path}: checks."{cid}".when: must be a list of tables with a non-empty '
+                                    f'"options" table and/or a "profile" string, and a "status" of "passed" '
+                                    f'or "failed"')
     return doc
 
 
-def expected_status(entry: dict, options: dict) -> str:
-    """The status a check is expected to have in a run with these
-    implementation options.  A ``when`` rule overrides the entry's status when
-    every option it names has that value in the run: a coverage failure under
-    an engine's defaults can pass under the configuration that reaches it."""
+def _valid_rule(rule) -> bool:
+    if not isinstance(rule, dict) or rule.get("status") not in ("passed", "failed"):
+        return False
+    options, profile = rule.get("options"), rule.get("profile")
+    if options is None and profile is None:
+        return False
+    return (options is None or (isinstance(options, dict) and bool(options))) and \
+        (profile is None or isinstance(profile, str))
+
+
+def expected_status(entry: dict, run: dict) -> str:
+    """The status a check is expected to have in this run (``run``: the
+    results' ``profile`` and implementation ``options``).  A ``when`` rule
+    overrides the entry's status when the run matches it: its profile, and
+    every option it names with that value.  A coverage failure under an
+    engine's defaults can pass under the configuration that reaches it; a
+    longer profile can reach what a short one does not."""
+    options = run.get("options", {})
     for rule in entry.get("when", []):
-        if all(options.get(k) == v for k, v in rule["options"].items()):
+        if rule.get("profile") not in (None, run.get("profile")):
+            continue
+        if all(options.get(k) == v for k, v in (rule.get("options") or {}).items()):
             return rule["status"]
     return entry.get("status", "passed")
 
 
-def _run_options(result_dict: dict) -> dict:
-    return dict(((result_dict.get("impl_config") or {}).get("options") or {}))
+def _run_facts(result_dict: dict) -> dict:
+    return {"profile": result_dict.get("profile"),
+            "options": dict(((result_dict.get("impl_config") or {}).get("options") or {}))}
 
 
 def compare_with_expectations(result_dict: dict, expectations_path: str | Path) -> tuple[list[str], list[str]]:
@@ -159,10 +174,10 @@ def compare_with_expectations(result_dict: dict, expectations_path: str | Path) 
     is expected to pass; skipped checks are neither.  An expected failure that
     now passes is reported so the file gets updated (the bug was fixed)."""
     exp = load_expectations(expectations_path).get("checks", {})
-    options = _run_options(result_dict)
+    facts = _run_facts(result_dict)
     unexpected_failures, unexpected_passes = [], []
     for c in result_dict.get("checks", []):
-        want = expected_status(exp.get(c["id"], {}), options)
+        want = expected_status(exp.get(c["id"], {}), facts)
         if c["status"] in BAD and want == "passed":
             unexpected_failures.append(c["id"])
         elif c["status"] == "passed" and want == "failed":
@@ -182,9 +197,9 @@ def format_expectations(result_dict: dict, expectations_path: str | Path) -> tup
         entry = doc["checks"][cid]
         lines.append(f"  unexpected pass    {cid} (expected to fail: {entry.get('reason', '')} "
                      f"{' '.join(entry.get('upstream', []))}); update the expectations file")
-    options = _run_options(result_dict)
+    facts = _run_facts(result_dict)
     for cid, entry in doc.get("checks", {}).items():
-        if expected_status(entry, options) == "failed" and cid in by_id and by_id[cid]["status"] in BAD:
+        if expected_status(entry, facts) == "failed" and cid in by_id and by_id[cid]["status"] in BAD:
             lines.append(f"  expected failure   {cid} ({' '.join(entry.get('upstream', []))})")
     ok = not fails and not passes
     lines.append("as expected" if ok else "NOT as expected")

@@ -119,6 +119,12 @@ def test_expectations_can_depend_on_the_run_options(runs, tmp_path, capsys):
     assert compare_with_expectations(ref, exp) == ([], [])
     ref["impl_config"]["options"]["interval"] = 8  # another value: the rule does not apply
     assert compare_with_expectations(ref, exp) == ([], ["mid-block-hits"])
+    # a rule may name the profile (a longer profile reaches what quick does not)
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "passed"\n'
+                   '[[checks."mid-block-hits".when]]\nprofile = "nightly"\nstatus = "failed"\n')
+    assert compare_with_expectations(mut, exp) == (["mid-block-hits"], [])
+    mut["profile"] = "nightly"
+    assert compare_with_expectations(mut, exp) == ([], [])
     exp.write_text('engine = "reference"\nversion = "1.0"\n[checks.x]\nstatus = "failed"\n'
                    '[[checks.x.when]]\noptions = {}\nstatus = "passed"\n')
     assert cli(["compare", str(exp), str(runs / "ref")]) == 2

@@ -25,7 +25,8 @@ STALL_STEPS = 3
 
 # Coverage counters every run reports; checks require some of them to be > 0.
 COUNTERS = ("steps", "requests", "prefix_hits", "mid_block_hits", "snapshot_reuse", "multi_turn_hits",
-            "chunked_prefills", "mid_block_chunk_ends", "evictions", "decode_steps", "aborts")
+            "chunked_prefills", "mid_block_chunk_ends", "evictions", "decode_steps", "aborts",
+            "tier_offloads", "tier_loads")  # transfers to and from the host tier that completed ok
 
 
 class ConformanceFailure(Exception):
@@ -223,6 +224,8 @@ class Session:
                 c["decode_steps"] += 1
 
     def _check_invariants(self) -> None:
+        done = self.runner.transport.succeeded
+        self.coverage["tier_offloads"], self.coverage["tier_loads"] = done["offload"], done["load"]
         view = self.last_view = self._call("view")
         cached = {("kv", e.block, e.tokens) for e in view.cached_kv} | {("s", e.slot, e.tokens) for e in view.cached_states}
         self.coverage["evictions"] += len(self._cached_before - cached)

@@ -87,6 +87,7 @@ class Transport:
     schedulers: list = field(default_factory=list)
     deferred: list[Transfer] = field(default_factory=list)
     executed: int = 0
+    succeeded: dict = field(default_factory=lambda: {"offload": 0, "load": 0})  # completions reporting ok
     current: Transfer | None = None  # the transfer being executed (store faults read it)
 
     def busy(self) -> bool:
@@ -104,6 +105,9 @@ class Transport:
             loads, later = hook(self, loads)
             self.deferred += later
         done = [self._execute(t) for t in offloads + due + loads]
+        directions = {t.id: t.direction for t in offloads + due + loads}
+        for d in done:
+            self.succeeded[directions[d.id]] += d.ok
         for hook in self.schedulers:
             done = getattr(hook, "order", lambda d: d)(done)
         return done

@@ -23,7 +23,11 @@ def run_engine(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         info, checks = run_engine_checks(args.profile, args.seed, options,
-                                         progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+                                         progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+                                         checks=tuple(getattr(args, "check", None) or ()))
+    except ValueError as e:  # a --check id this profile does not plan
+        print(f"vllm-engine: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         result.interrupted = True
         report.write_all(out, result)

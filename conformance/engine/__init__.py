@@ -81,6 +81,31 @@ def planned_checks(profile: str, options: dict | None = None):
     return variants
 
 
+def select_checks(variants, checks) -> list:
+    """Restrict planned variants to the check ids asked for (``run --check``).
+    ``engine-reference-agreement:<variant>`` needs every family of its variant:
+    it compares the references over every distinct prompt the workloads made.
+    An id this profile does not plan raises ValueError."""
+    from .checks import Variant, check_id
+
+    if not checks:
+        return list(variants)
+    wanted = set(checks)
+    planned = {check_id(f, v) for v in variants for f in (*v.families, "reference-agreement")}
+    unknown = sorted(wanted - planned)
+    if unknown:
+        raise ValueError(f"not planned by this profile: {', '.join(unknown)} (planned: {', '.join(sorted(planned))})")
+    out = []
+    for v in variants:
+        if check_id("reference-agreement", v) in wanted:
+            out.append(v)
+            continue
+        fams = tuple(f for f in v.families if check_id(f, v) in wanted)
+        if fams:
+            out.append(Variant(v.model, v.variant, fams, dict(v.options)))
+    return out
+
+
 def _skipped(variants, reason: str) -> list[CheckResult]:
     from .checks import DESCRIPTIONS, check_id
 
@@ -112,13 +137,16 @@ def engine_unavailable(options: dict | None = None, device: str = "cpu") -> str 
     return None
 
 
-def run_engine_checks(profile: str, seed: int, options: dict, progress=None) -> tuple[dict, list[CheckResult]]:
+def run_engine_checks(profile: str, seed: int, options: dict, progress=None,
+                      checks=()) -> tuple[dict, list[CheckResult]]:
+    """``checks``: check ids to run (default: all the profile plans); only
+    their results are returned."""
     from .checks import run_variant
     from .models import load_fixture
 
     options = dict(options or {})
     t0 = time.monotonic()
-    variants = planned_checks(profile, options)
+    variants = select_checks(planned_checks(profile, options), checks)
     size = PROFILES[profile]["size"]
     info: dict = {"implementation": IMPLEMENTATION, "implementation_version": "", "profile": profile, "seed": seed,
                   "models": {}, "variants": {}}
@@ -140,6 +168,8 @@ def run_engine_checks(profile: str, seed: int, options: dict, progress=None) -> 
         if eng.get("version") and not info["implementation_version"]:
             info["implementation_version"] = eng["version"]
         results += vres
+    if checks:
+        results = [r for r in results if r.id in set(checks)]
     info["seconds"] = round(time.monotonic() - t0, 1)
     # One tolerance summary for the report header (per variant details stay in variants).
     info["tolerances"] = {k: v.get("tolerance") for k, v in info["variants"].items()}

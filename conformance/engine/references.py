@@ -61,10 +61,15 @@ class TransformersReference:
     """Scores sequences with transformers, in a worker subprocess (the harness's
     Python need not have transformers) or in this process (``in_process=True``)."""
 
-    def __init__(self, model: str, options: dict | None = None, in_process: bool = False):
+    def __init__(self, model: str, options: dict | None = None, in_process: bool = False,
+                 compute_dtype: str = "float32"):
         self.model = model
         self.options = dict(options or {})
         self.in_process = in_process
+        # float32 is the reference; a reduced-precision copy (the engine's dtype)
+        # only probes how far rounding alone moves a position (see
+        # checks.reference_agreement).
+        self.compute_dtype = compute_dtype
         self._memo: dict[tuple[tuple[int, ...], int], Scored] = {}
         self._local = None
         self._worker: WorkerProcess | None = None
@@ -79,15 +84,17 @@ class TransformersReference:
             from .models import ensure_model
 
             self._local = TransformersForward(ensure_model(self.model, self.options.get("cache_dir")),
+                                              compute_dtype=self.compute_dtype,
                                               device=self.options.get("device", "cpu"))
             self.version = transformers.__version__
         elif not self.in_process and self._worker is None:
             self._worker = WorkerProcess(engine_python(self.options), env={"TOKENIZERS_PARALLELISM": "false"},
-                                         label=f"hf-{self.model}")
+                                         label=f"hf-{self.model}-{self.compute_dtype}")
             self._worker.start()
             ans = self._worker.call({"cmd": "init", "kind": "hf", "model": self.model,
                                      "cache_dir": self.options.get("cache_dir"),
-                                     "options": {"device": self.options.get("device", "cpu")}}, timeout=HF_TIMEOUT)
+                                     "options": {"device": self.options.get("device", "cpu"),
+                                                 "hf_compute_dtype": self.compute_dtype}}, timeout=HF_TIMEOUT)
             self.version = ans["info"]["version"]
 
     def prefetch(self, items: Sequence[tuple[tuple[int, ...], int]]) -> None:

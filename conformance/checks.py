@@ -27,6 +27,9 @@ class CheckSpec:
     # Observers run after every step (conformance.retention.OBSERVERS); a check
     # with any is skipped for an implementation that declares no retention().
     observe: tuple[str, ...] = ()
+    # Runs with the implementation's second tier on (its ``tier_option``); a
+    # check with it is skipped for an implementation that has none.
+    tier: bool = False
 
     def impl_config(self, **overrides) -> ImplConfig:
         base = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
@@ -52,6 +55,12 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("snapshot-reuse", "snapshot",
               "recurrent snapshots reused across requests, with aborts and decode in between",
               frozenset({"abort", "step", "continue"}), ("snapshot_reuse", "aborts")),
+    # Eviction pressure with the second tier on: what a small device pool
+    # evicts comes back through loads (faults and tier mutants meet it here).
+    CheckSpec("tier-reuse", "tier",
+              "a small device pool spills to the second tier; later requests load back what was evicted",
+              frozenset({"pressure", "continue", "step"}), ("tier_loads", "prefix_hits"),
+              num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True),
     # The declared retention policy (default here: interval 8 and second-hit
     # together; --option overrides).  Reusing less than promised is a
     # performance bug, so it is its own family: "hit-rate".

@@ -17,6 +17,7 @@ class Failure:
     repro: str | None = None  # path of the repro file, once written
     examples_to_failure: int | None = None  # examples run until the first failing one (before shrinking)
     seconds_to_failure: float | None = None
+    impl_config: dict | None = None  # the configuration it failed under (a repro replays exactly that)
 
 
 @dataclass

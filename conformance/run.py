@@ -176,12 +176,14 @@ def select_shard(planned: list, i: int, n: int) -> list:
 def record_check(out: Path | None, result: RunResult, res: CheckResult, spec: CheckSpec, opts: RunOptions) -> None:
     """Write the repro and the reports after each check: a run killed later keeps this one."""
     if out is not None:
-        report.write_failure_repro(out, result, res, asdict(check_impl_config(spec, opts)))
+        config = (res.failure.impl_config if res.failure is not None else None) or asdict(check_impl_config(spec, opts))
+        report.write_failure_repro(out, result, res, config)
         report.write_all(out, result)
 
 
-def check_impl_config(spec: CheckSpec, opts: RunOptions):
-    return spec.impl_config(block_size=opts.block_size, options={**spec.options, **opts.impl_options})
+def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
+    tier = dict([tier_option]) if spec.tier and tier_option else {}
+    return spec.impl_config(block_size=opts.block_size, options={**spec.options, **tier, **opts.impl_options})
 
 
 def _declares_retention(factory, impl_config) -> bool:
@@ -201,7 +203,11 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
               index: int, env=None, notify=lambda *a, **k: None) -> CheckResult:
     examples = opts.examples or profile.examples
     steps = opts.steps or profile.steps
-    impl_config = check_impl_config(spec, opts)
+    tier_option = getattr(factory, "tier_option", None)
+    if spec.tier and not tier_option:
+        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           reason="the implementation has no second tier (no tier_option class attribute)")
+    impl_config = check_impl_config(spec, opts, tier_option)
     if spec.observe and not _declares_retention(factory, impl_config):
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            reason=f"the implementation declares no retention policy (optional retention() "
@@ -244,6 +250,8 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
             status = "failed"
             failure = Failure(kind="coverage", message=f"the {spec.family} situation never occurred: "
                                                        f"{', '.join(missing)} stayed at 0 over {recorder.examples} examples")
+    if failure is not None:
+        failure.impl_config = asdict(impl_config)
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
                        examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),

@@ -93,6 +93,7 @@ def _factory_wrapper(name: str, apply: Callable):
 
         build.name = getattr(factory, "name", "vllm")
         build.version = getattr(factory, "version", "unknown")
+        build.tier_option = getattr(factory, "tier_option", None)
         build.__name__ = f"{getattr(factory, '__name__', 'VllmCache')}[{name}]"
         return build
 

@@ -95,3 +95,28 @@ def test_cli_records_faults_in_results_json(tmp_path):
     doc = json.loads((tmp_path / "results.json").read_text())
     assert rc == 0 and doc["faults"]["transfer-fail"]["fired"] > 0
     assert main(["run", "--faults", "no-such-fault", "--report-dir", str(tmp_path)]) == 2
+
+
+def test_tier_reuse_turns_the_tier_on_and_skips_an_implementation_without_one(tmp_path):
+    """The tier check runs with the implementation's own tier option and
+    really reloads what was evicted; an implementation without a tier is
+    skipped with a reason, not failed."""
+    import sys
+    import types
+
+    result = run(RunOptions(checks=("tier-reuse",), examples=6, steps=10, write_reports=False))
+    (check,) = result.checks
+    assert check.status == "passed" and check.coverage["tier_loads"] > 0, check
+    assert check.coverage["tier_offloads"] >= check.coverage["tier_loads"]
+
+    class NoTier(ReferenceCache):
+        tier_option = None
+
+    module = types.ModuleType("hcc_no_tier")
+    module.NoTier = NoTier
+    sys.modules["hcc_no_tier"] = module
+    try:
+        (skipped,) = run(RunOptions(impl="hcc_no_tier:NoTier", checks=("tier-reuse",), write_reports=False)).checks
+    finally:
+        del sys.modules["hcc_no_tier"]
+    assert skipped.status == "skipped" and "no second tier" in skipped.reason

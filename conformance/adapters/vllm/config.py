@@ -35,8 +35,8 @@ class VllmOptions:
       the adapter does not pretend to; see docs/vllm-adapter.md).
     - ``max_num_seqs``, ``max_model_len``: scheduler limits.
     - ``shared_prefix_checkpoint``: ``enable_mamba_shared_prefix_checkpoint``.
-    - ``connector``: ``None`` or ``{"divergent": bool}`` to plug in the harness-side store
-      connector (see :mod:`.connector`).
+    - ``connector``: ``None``, ``true`` or ``{"divergent": bool, "async": bool}`` to plug in
+      the store connector over the harness's host tier (see :mod:`.connector`).
     """
 
     block_size: int

@@ -88,6 +88,7 @@ class Transport:
     deferred: list[Transfer] = field(default_factory=list)
     executed: int = 0
     succeeded: dict = field(default_factory=lambda: {"offload": 0, "load": 0})  # completions reporting ok
+    loaded_states: set = field(default_factory=set)  # prefixes of the states loads brought to the device
     current: Transfer | None = None  # the transfer being executed (store faults read it)
 
     def busy(self) -> bool:
@@ -128,7 +129,11 @@ class Transport:
             if entry is None:
                 return TransferDone(t.id, False, error=f"no host entry {t.key!r}")
             self.write(t.kind, t.device, self._fly(t, entry.payload.clone()))
-            return TransferDone(t.id, True, checksum(self.read(t.kind, t.device).tensors))
+            landed = self.read(t.kind, t.device)
+            done = TransferDone(t.id, True, checksum(landed.tensors))
+            if t.kind == "state" and done.checksum == entry.checksum:  # arrived whole and intact
+                self.loaded_states.add(landed.prov["ssm"])
+            return done
         except TransferFailed as exc:
             return TransferDone(t.id, False, error=str(exc) or "transfer failed")
         finally:

@@ -10,21 +10,23 @@ method (see ``contract.OPTIONAL_METHODS``)::
 From it the harness derives, per request, the *checkpoints*: the prompt end,
 every multiple of I that is computed (of the block size when I is None; none
 when I = 0) and, with ``sequence_ends``, the last computed position of a
-request that finished.  Two rules describe engines that cannot checkpoint the
-prompt end itself (vLLM's Mamba "align" mode, whose prefill chunks end on
-hash boundaries): ``prompt_ends = "tail"`` puts the prompt's checkpoint at its
-*tail*, the last multiple t of ``hash_unit`` before the last prompt token,
-and at the block boundary at or before t (where the chunk before the tail
-ends); ``junctions = J`` adds Marconi's shared-prefix junction: a new request
-whose prompt the cached KV covers further than the hit it starts from has a
-checkpoint where that KV coverage ends, rounded down to a multiple of J; and
-``interval_at = "chunk-ends"`` keeps a multiple of I (or of the block size)
-only where a step ends on it, for engines that cannot snapshot inside a
-chunk (the default, ``"anywhere"``, keeps every multiple computed).  A *sighting* is one request computing through a
-checkpoint (not reusing it), once per request and position; under second-hit
-a prefix that some request offered is a checkpoint for every later request
-that computes through it (that is how a shared prefix gets its second
-sighting when it is not one of the later request's own checkpoints).
+request that finished.  Three rules describe engines that publish a state
+only where a step ends (vLLM's Mamba "align" mode): ``prompt_ends = "tail"``
+puts the prompt's checkpoint at its *tail*, the last multiple t of
+``hash_unit`` before the last prompt token, and at the block boundary at or
+before t (where the chunk before the tail ends); ``junctions = J`` adds
+Marconi's shared-prefix junction: a new request whose prompt the cached KV
+covers further than the hit it starts from has a checkpoint where that KV
+coverage ends, rounded down to a multiple of J; and ``interval_at =
+"chunk-ends"`` keeps a multiple of I (or of the block size) only where a step
+ends on it (the default, ``"anywhere"``, keeps every multiple computed).
+A state that a load from a second tier brought in whole is admissible too.
+
+A *sighting* is one request computing through a checkpoint (not reusing it),
+once per request and position; under second-hit a prefix that some request
+offered is a checkpoint for every later request that computes through it
+(that is how a shared prefix gets its second sighting when it is not one of
+the later request's own checkpoints).
 
 Two families, reported apart because they are different kinds of bug:
 

@@ -16,7 +16,7 @@ from hypothesis.stateful import get_state_machine_test
 from . import report
 from .adapters import UsageError, resolve
 from .checks import PROFILES, CheckSpec, get_check
-from .guard import ImplementationError
+from .guard import ImplementationError, guarded
 from .machine import Recorder, build_machine, hypothesis_settings, stable_draws
 from .metrics import CacheMetrics, merge_summaries
 from .model import ModelConfig, TinyHybrid
@@ -186,17 +186,17 @@ def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
     return spec.impl_config(block_size=opts.block_size, options={**spec.options, **tier, **opts.impl_options})
 
 
-def _declares_retention(factory, impl_config) -> bool:
+def _declares_retention(factory, impl_config, timeout: float | None) -> bool:
     """Whether the implementation, built with this configuration, declares a
     retention policy (an engine may declare one for some settings only)."""
     if isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
         return False
     try:
-        impl = factory(impl_config)
-    except Exception:  # noqa: BLE001 - the check itself will report it, with context
-        return True
-    retention = getattr(impl, "retention", None)
-    return callable(retention) and retention() is not None
+        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        retention = getattr(impl, "retention", None)
+        return callable(retention) and guarded("retention()", retention, timeout=timeout) is not None
+    except ImplementationError:
+        return True  # the check itself builds it again and reports the error, with context
 
 
 def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts: RunOptions, profile,
@@ -208,7 +208,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            reason="the implementation has no second tier (no tier_option class attribute)")
     impl_config = check_impl_config(spec, opts, tier_option)
-    if spec.observe and not _declares_retention(factory, impl_config):
+    if spec.observe and not _declares_retention(factory, impl_config, opts.timeout):
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            reason=f"the implementation declares no retention policy (optional retention() "
                                   f"method) for the options {impl_config.options}")

@@ -91,6 +91,12 @@ class Fault:
                                  f"{transfer.id}:{transfer.direction}:{transfer.key}")
         return self.rng.random() < t.probability
 
+    def firing(self, transport):
+        """At a store seam (which sees keys, not transfers): the transfer being
+        executed when this fault fires on it, else None."""
+        t = _current(transport)
+        return t if t is not None and self.should_fire(t) else None
+
     def record(self, transfer, what: str) -> None:
         self.fired += 1
         self.fired_here += 1
@@ -123,8 +129,8 @@ class AllocFail(Fault):
         fault = self
 
         def failing_put(key, entry):
-            t = _current(transport)
-            if t is not None and fault.should_fire(t):
+            t = fault.firing(transport)
+            if t is not None:
                 fault.record(t, "host allocation refused")
                 return False
             return put(key, entry)
@@ -144,8 +150,8 @@ class EvictBeforeLoad(Fault):
         fault = self
 
         def evicting_get(key):
-            t = _current(transport)
-            if t is not None and fault.should_fire(t):
+            t = fault.firing(transport)
+            if t is not None:
                 fault.record(t, "entry evicted before the load")
                 store.drop(key)
             return get(key)
@@ -167,8 +173,8 @@ class LostEntry(Fault):
 
         def losing_get(key):
             entry = get(key)
-            t = _current(transport)
-            if entry is None or t is None or not fault.should_fire(t):
+            t = fault.firing(transport) if entry is not None else None
+            if t is None:
                 return entry
             others = [e for k, e in store.entries.items() if k != key and e.payload.kind == entry.payload.kind]
             if others:

@@ -142,8 +142,8 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return claimed, self.load_async and claimed > 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        begin = self._offered.pop(request.request_id, 0)
         if num_external_tokens:
-            begin = self._offered[request.request_id]
             self._pending.append(Load(request.request_id, blocks.get_block_ids(), begin, begin + num_external_tokens))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -234,26 +234,27 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if not d.ok or d.checksum is None or d.checksum != self.stored.get(key):
                 self.failed.add(rid)
                 self.stored.pop(key, None)  # lost, short or corrupt: the entry is not trusted again
-            waiting = self.loading.get(rid)
+            waiting = self.loading[rid]
             waiting.discard(d.id)
-            if not waiting:
-                del self.loading[rid]
+            if waiting:
+                continue
+            del self.loading[rid]
+            failed = rid in self.failed
+            self.failed.discard(rid)
+            if failed:
+                self.gave_up.add(rid)
+                self.stats["failed_loads"] += 1
+            if self.load_async:  # a synchronous load's request is already running: nothing to report
                 self.recving.add(rid)
-                if rid in self.failed:
-                    self.failed.discard(rid)
+                if failed:
                     self.failed_recving.add(rid)
-                    self.gave_up.add(rid)
-                    self.stats["failed_loads"] += 1
 
     def connector_output(self) -> KVConnectorOutput | None:
         """What the worker reports to the scheduler: asynchronous loads that
         completed (and which of them failed) since the last report."""
-        recving = {r for r in self.recving if self.load_async}
-        failed = self.failed_recving & recving
+        recving, failed = self.recving, self.failed_recving
         self.recving, self.failed_recving = set(), set()
-        if not recving:
-            return None
-        return KVConnectorOutput(finished_recving=recving, failed_recving=failed)
+        return KVConnectorOutput(finished_recving=recving, failed_recving=failed) if recving else None
 
     def _issue(self, direction: str, kind: str, key: str, device: int, rid: str) -> Transfer:
         self._next_id += 1

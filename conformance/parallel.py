@@ -73,7 +73,6 @@ def run_parallel(opts, planned: list, result, out, notify) -> ParallelRun:
 
     n = min(opts.workers, len(planned))
     state = ParallelRun(workers=n)
-    specs = dict(planned)
     # What a worker needs must pickle: no progress callback, no report writing there.
     wopts = replace(opts, progress=None, write_reports=False, report_dir=None, workers=1, shard=None)
     done: dict[int, object] = {}
@@ -91,6 +90,6 @@ def run_parallel(opts, planned: list, result, out, notify) -> ParallelRun:
             result.checks[:] = [done[i] for i in sorted(done)]  # keep the profile's order
             if state.faults:
                 result.faults = state.merged_faults()
-            record_check(out, result, res, specs[index], opts)
+            record_check(out, result, res)
             notify("check-end", check=res.id, result=res)
     return state

@@ -109,7 +109,7 @@ class ConformanceRunner:
         index = ids.index(check_id) if check_id in ids else len(ids)
         res = run_check(self.factory, spec, self.model, self.oracle, self.opts, profile, index, self.env)
         self.result.checks = [c for c in self.result.checks if c.id != check_id] + [res]
-        record_check(self.out, self.result, res, spec, self.opts)
+        record_check(self.out, self.result, res)
         return res
 
     def check(self, impl_or_check, check_id: str | None = None):

@@ -139,7 +139,7 @@ def run(opts: RunOptions) -> RunResult:
             notify("check-start", check=spec.id, index=k, total=len(planned))
             res = run_check(factory, spec, model, oracle, opts, profile, index, env, notify)
             result.checks.append(res)
-            record_check(out, result, res, spec, opts)
+            record_check(out, result, res)
             notify("check-end", check=spec.id, result=res)
             if opts.stop_at_failure and res.status in ("failed", "error"):
                 break
@@ -173,11 +173,11 @@ def select_shard(planned: list, i: int, n: int) -> list:
     return [item for k, item in enumerate(planned) if k % n == i - 1]
 
 
-def record_check(out: Path | None, result: RunResult, res: CheckResult, spec: CheckSpec, opts: RunOptions) -> None:
+def record_check(out: Path | None, result: RunResult, res: CheckResult) -> None:
     """Write the repro and the reports after each check: a run killed later keeps this one."""
     if out is not None:
-        config = (res.failure.impl_config if res.failure is not None else None) or asdict(check_impl_config(spec, opts))
-        report.write_failure_repro(out, result, res, config)
+        if res.failure is not None:  # run_check records the configuration it failed under
+            report.write_failure_repro(out, result, res, res.failure.impl_config)
         report.write_all(out, result)
 
 

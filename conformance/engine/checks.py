@@ -174,6 +174,7 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
         ref = off.get(prompt, n)
         seq = prompt + ref.tokens
         sc = hf.score(seq, len(prompt))
+        cond = None  # hf_cond's scores of this sequence: asked once, at its first failing position
         for i, t in enumerate(ref.tokens):
             d = abs(ref.logprobs[i] - sc.chosen[i])
             gap = sc.top1_logprob[i] - sc.chosen[i] if sc.rank[i] != 0 else 0.0
@@ -184,7 +185,9 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
             shift = None
             if hf_cond is not None:
                 try:
-                    shift = abs(sc.chosen[i] - hf_cond.score(seq, len(prompt)).chosen[i])
+                    if cond is None:
+                        cond = hf_cond.score(seq, len(prompt))
+                    shift = abs(sc.chosen[i] - cond.chosen[i])
                     if sc.rank[i] != 0:  # transformers' argmax, scored in the engine's dtype
                         alt = seq[:len(prompt) + i] + (sc.top1[i],)
                         shift = max(shift, abs(sc.top1_logprob[i] - hf_cond.score(alt, len(alt) - 1).chosen[0]))

@@ -14,9 +14,9 @@ import argparse
 import time
 from contextlib import contextmanager
 
-from conformance import oracle as oracle_mod
-from conformance import session as session_mod
-from conformance.run import RunOptions, run
+from conformance.harness import oracle as oracle_mod
+from conformance.harness import session as session_mod
+from conformance.suite.run import RunOptions, run
 
 SPENT = {"oracle": 0.0, "implementation": 0.0}
 
@@ -41,7 +41,7 @@ def timed_methods():
 
     for name in ("prime", "judge", "next_token"):
         wrap(oracle_mod.Oracle, name, "oracle")
-    wrap(session_mod.Session, "_call", "implementation")
+    wrap(session_mod.Session, "call", "implementation")
     try:
         yield
     finally:

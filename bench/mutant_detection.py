@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conformance.commands.mutants import mutants_for, run_mutant, select  # noqa: E402
-from conformance.run import RunOptions  # noqa: E402
+from conformance.cli.cmd_mutants import mutants_for, run_mutant, select  # noqa: E402
+from conformance.suite.run import RunOptions  # noqa: E402
 
 TARGETS = {"median_s": 20.0, "max_s": 120.0, "repro_steps": 8}
 
@@ -36,8 +36,8 @@ def main() -> int:
     rows, secs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for m in mutants:
-            per_seed = [run_mutant(m, RunOptions(impl=args.impl, profile=args.profile, seed=s), Path(tmp) / f"{m.name}-{s}")
-                        for s in seeds]
+            per_seed = [run_mutant(m, RunOptions(impl=args.impl, profile=args.profile, seed=s),
+                                   Path(tmp) / f"{m.name}-{s}") for s in seeds]
             hit = [e for e in per_seed if e["detected"]]
             s_list = [e["seconds_to_detection"] for e in hit]
             secs += s_list

@@ -27,14 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from conformance.errors import ContractError  # noqa: F401  (re-exported: adapters raise it)
+
 #: Positions are token indices.  A *prefix length* p means tokens [0, p).
-
-
-class ContractError(Exception):
-    """An implementation broke the contract (bad ids, impossible ranges...).
-
-    Raised by the harness; it is a conformance failure, not a usage error.
-    """
 
 
 @dataclass(frozen=True)

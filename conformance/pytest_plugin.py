@@ -50,7 +50,7 @@ def pytest_addoption(parser) -> None:
 
 
 def check_ids(profile: str = "quick") -> list[str]:
-    from .checks import PROFILES
+    from conformance.suite.checks import PROFILES
 
     return [spec.id for spec in PROFILES[profile].checks]
 
@@ -62,13 +62,15 @@ class ConformanceRunner:
     def __init__(self, impl: str | object, profile: str = "quick", seed: int = 0, mutant: str | None = None,
                  examples: int | None = None, steps: int | None = None, report_dir: str | Path | None = None,
                  shrink: str = "hypothesis"):
-        from .model import TinyHybrid
-        from .oracle import Oracle
-        from .results import RunResult
-        from .run import RunOptions, _now, prepare
+        from conformance.harness.oracle import Oracle
+        from conformance.model import TinyHybrid
+        from conformance.results.records import RunResult
+        from conformance.suite.options import RunOptions, now
+        from conformance.suite.prepare import prepare
 
         # A factory object (a class) is accepted as well as a spec string.
-        spec = impl if isinstance(impl, str) else f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
+        spec = impl if isinstance(impl, str) else \
+            f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
         self.opts = RunOptions(impl=spec, profile=profile, seed=seed, mutant=mutant, examples=examples, steps=steps,
                                report_dir=Path(report_dir) if report_dir else None, shrink=shrink)
         if not isinstance(impl, str):
@@ -81,26 +83,26 @@ class ConformanceRunner:
         self.oracle = Oracle(self.model)
         self.result = RunResult(implementation=self.name, implementation_version=str(getattr(self.factory, "version",
                                                                                              "unknown")),
-                                seed=seed, profile=profile, started=_now(), model=self.model_config.to_dict(),
+                                seed=seed, profile=profile, started=now(), model=self.model_config.to_dict(),
                                 mutant=mutant, impl_spec=spec, impl_config={})
         self.out = Path(report_dir) if report_dir else None
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
 
     def _prepare_object(self, factory) -> None:
-        from .run import DEFAULT_MODEL, ModelConfig
+        from conformance.suite.options import default_model_config
 
         if self.opts.mutant:
-            from fault_injection import get_mutant
+            from fault_injection.catalog import get_mutant
 
             factory = get_mutant(self.opts.mutant).wrap(factory)
         self.factory, self.env, self.name = factory, None, getattr(factory, "name", getattr(factory, "__name__", "?"))
-        self.model_config = ModelConfig.load(DEFAULT_MODEL) if DEFAULT_MODEL.exists() else ModelConfig()
+        self.model_config = default_model_config()
 
     def run_check(self, check_id: str):
         """Run one check; returns its CheckResult (writes reports as it goes)."""
-        from .checks import PROFILES, get_check
-        from .run import record_check, run_check
+        from conformance.suite.checks import PROFILES, get_check
+        from conformance.suite.execute import record_check, run_check
 
         spec = get_check(check_id)
         profile = PROFILES[self.opts.profile]
@@ -123,10 +125,10 @@ class ConformanceRunner:
         return res
 
     def finish(self) -> None:
-        from . import report
-        from .run import _now
+        from conformance.results import report
+        from conformance.suite.options import now
 
-        self.result.finished = _now()
+        self.result.finished = now()
         if self.out is not None:
             report.write_all(self.out, self.result)
 
@@ -144,8 +146,8 @@ def failure_text(res) -> str:
 
 # -- command-line mode: one item per check ---------------------------------------------
 
-class ConformanceFailed(Exception):
-    pass
+class _CheckFailedReport(Exception):
+    """Carries a failed check's text to pytest's report (not a harness error type)."""
 
 
 class ConformanceItem(pytest.Item):
@@ -161,10 +163,10 @@ class ConformanceItem(pytest.Item):
         if res.failure is not None and res.failure.repro:
             self.user_properties.append(("repro", res.failure.repro))
         if res.status in ("failed", "error"):
-            raise ConformanceFailed(failure_text(res))
+            raise _CheckFailedReport(failure_text(res))
 
     def repr_failure(self, excinfo, style=None):
-        if isinstance(excinfo.value, ConformanceFailed):
+        if isinstance(excinfo.value, _CheckFailedReport):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
 
@@ -178,7 +180,7 @@ _KEY = pytest.StashKey[ConformanceRunner]()
 def _runner(config) -> ConformanceRunner:
     runner = config.stash.get(_KEY, None)
     if runner is None:
-        from .adapters import UsageError
+        from conformance.errors import UsageError
 
         opt = config.getoption
         try:
@@ -201,7 +203,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     impl = config.getoption("hybrid_impl")
     if not impl:
         return
-    from .checks import PROFILES, get_check
+    from conformance.suite.checks import PROFILES, get_check
 
     profile = config.getoption("hybrid_profile")
     if profile not in PROFILES:

@@ -1,10 +1,8 @@
-"""Fault injection: mutants (implementation bugs) and environment faults.
+"""Fault injection: mutants (implementation bugs the suite must catch) and
+environment faults (failures a correct implementation must survive).
 
-A mutant is a named, documented bug applied to an implementation factory; the
-suite must catch every one of them through its general checks.  See
-:mod:`fault_injection.registry`.
+- :mod:`fault_injection.registry`: what a mutant is, and ``register``;
+- :mod:`fault_injection.catalog`: every built-in mutant (``get_mutant``, ``all_mutants``);
+- ``*_mutants`` modules: the mutants of one implementation each;
+- :mod:`fault_injection.environment`: environment faults on the transport and the host store.
 """
-
-from .registry import MUTANTS, Mutant, get_mutant, register
-
-__all__ = ["MUTANTS", "Mutant", "get_mutant", "register"]

@@ -2,15 +2,17 @@
 
 A mutant is a bug in the implementation; an environment fault is a failure of
 what the implementation depends on -- here the harness's host store and the
-transport between it and device memory (:mod:`conformance.transport`).  A
+transport between it and device memory (:mod:`conformance.harness.transport`).  A
 correct implementation must survive every one of them: right logits (by
 treating what it cannot trust as a miss and recomputing), no leaked memory,
 and a clear error only where no recovery exists.
 
-Each fault is named, documented and seeded, interposes on one seam of a
-fresh session (``attach``), composes with the others (they chain), fires
-under a :class:`Trigger` (probability, step, request, limit) and records
-where it fired.  A fault that never fired proves nothing, so ``run`` fails
+Each fault is named, documented and seeded, plugs into the transport's
+explicit seams (:class:`~conformance.harness.transport.TransportHooks`) of a
+fresh session (``attach``), composes with the others (in the order given),
+fires under a :class:`Trigger` (probability, step, request, limit) and
+records where it fired, in its report and as an event of the session's
+history.  A fault that never fired proves nothing, so ``run`` fails
 when one is not exercised.
 
 On the command line: ``--faults transfer-corrupt,alloc-fail:p=0.2`` with
@@ -26,7 +28,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from conformance.transport import HostEntry, Payload, TransferFailed
+from conformance.errors import TransferFailed
+from conformance.harness.transport import HostEntry, Payload, TransportHooks
 
 MAX_WHERE = 50  # places recorded per fault (the count keeps going)
 
@@ -39,7 +42,7 @@ class Trigger:
     limit: int | None = None  # fires per session
 
     @classmethod
-    def parse(cls, spec: str) -> "Trigger":
+    def parse(cls, spec: str) -> Trigger:
         kw = {}
         names = {"p": "probability", **{f.name: f.name for f in fields(cls)}}
         for part in filter(None, spec.split(":")):
@@ -55,7 +58,7 @@ class Trigger:
         return cls(**kw)
 
 
-class Fault:
+class Fault(TransportHooks):
     name = ""
     applies_to = "transfer"  # what it needs to fire on, for the "not exercised" hint
 
@@ -70,15 +73,12 @@ class Fault:
     def attach(self, session) -> None:
         self.session = session
         self.fired_here = 0
-        self.install(session.runner.transport)
-
-    def install(self, transport) -> None:
-        raise NotImplementedError
+        session.runner.transport.hooks.append(self)
 
     def should_fire(self, transfer) -> bool:
         self.opportunities += 1
         t = self.trigger
-        if t.step is not None and self.session.coverage.get("steps") != t.step:
+        if t.step is not None and self.session.step_no != t.step:
             return False
         if t.request is not None and transfer.request_id != t.request:
             return False
@@ -87,21 +87,16 @@ class Fault:
         # Each decision is seeded by the run's seed and where it happens (not by
         # a stream shared across examples), so replaying a repro's operations
         # replays exactly the faults that fired in it.
-        self.rng = random.Random(f"{self.seed}:{self.name}:{self.session.coverage.get('steps')}:"
+        self.rng = random.Random(f"{self.seed}:{self.name}:{self.session.step_no}:"
                                  f"{transfer.id}:{transfer.direction}:{transfer.key}")
         return self.rng.random() < t.probability
-
-    def firing(self, transport):
-        """At a store seam (which sees keys, not transfers): the transfer being
-        executed when this fault fires on it, else None."""
-        t = _current(transport)
-        return t if t is not None and self.should_fire(t) else None
 
     def record(self, transfer, what: str) -> None:
         self.fired += 1
         self.fired_here += 1
+        self.session.runner.transport.fired(self.name, transfer, what)
         if len(self.where) < MAX_WHERE:
-            self.where.append({"step": self.session.coverage.get("steps"), "transfer": transfer.id,
+            self.where.append({"step": self.session.step_no, "transfer": transfer.id,
                                "direction": transfer.direction, "kind": transfer.kind, "key": transfer.key,
                                "request": transfer.request_id, "what": what})
 
@@ -124,18 +119,11 @@ class AllocFail(Fault):
     name = "alloc-fail"
     applies_to = "offload"
 
-    def install(self, transport):
-        store, put = transport.store, transport.store.put
-        fault = self
-
-        def failing_put(key, entry):
-            t = fault.firing(transport)
-            if t is not None:
-                fault.record(t, "host allocation refused")
-                return False
-            return put(key, entry)
-
-        store.put = failing_put
+    def refuse_offload(self, transport, transfer):
+        if self.should_fire(transfer):
+            self.record(transfer, "host allocation refused")
+            return True
+        return False
 
 
 class EvictBeforeLoad(Fault):
@@ -145,18 +133,10 @@ class EvictBeforeLoad(Fault):
     name = "evict-before-load"
     applies_to = "load"
 
-    def install(self, transport):
-        store, get = transport.store, transport.store.get
-        fault = self
-
-        def evicting_get(key):
-            t = fault.firing(transport)
-            if t is not None:
-                fault.record(t, "entry evicted before the load")
-                store.drop(key)
-            return get(key)
-
-        store.get = evicting_get
+    def before_lookup(self, transport, transfer):
+        if self.should_fire(transfer):
+            self.record(transfer, "entry evicted before the load")
+            transport.store.drop(transfer.key)
 
 
 class LostEntry(Fault):
@@ -167,25 +147,18 @@ class LostEntry(Fault):
     name = "lost-entry"
     applies_to = "load"
 
-    def install(self, transport):
-        store, get = transport.store, transport.store.get
-        fault = self
-
-        def losing_get(key):
-            entry = get(key)
-            t = fault.firing(transport) if entry is not None else None
-            if t is None:
-                return entry
-            others = [e for k, e in store.entries.items() if k != key and e.payload.kind == entry.payload.kind]
-            if others:
-                fault.record(t, "returned another entry's bytes")
-                return HostEntry(fault.rng.choice(others).payload, entry.checksum)
-            fault.record(t, "returned zeroed bytes")
-            zero = Payload(entry.payload.kind, {k: torch.zeros_like(v) for k, v in entry.payload.tensors.items()},
-                           entry.payload.prov)
-            return HostEntry(zero, entry.checksum)
-
-        store.get = losing_get
+    def looked_up(self, transport, transfer, entry):
+        if entry is None or not self.should_fire(transfer):
+            return entry
+        others = [e for k, e in transport.store.entries.items()
+                  if k != transfer.key and e.payload.kind == entry.payload.kind]
+        if others:
+            self.record(transfer, "returned another entry's bytes")
+            return HostEntry(self.rng.choice(others).payload, entry.checksum)
+        self.record(transfer, "returned zeroed bytes")
+        zero = Payload(entry.payload.kind, {k: torch.zeros_like(v) for k, v in entry.payload.tensors.items()},
+                       entry.payload.prov)
+        return HostEntry(zero, entry.checksum)
 
 
 # -- the wire --------------------------------------------------------------------------------
@@ -194,14 +167,11 @@ class TransferFail(Fault):
 
     name = "transfer-fail"
 
-    def install(self, transport):
-        def hook(tr, t, payload):
-            if self.should_fire(t):
-                self.record(t, "failed")
-                raise TransferFailed("injected transfer failure")
-            return payload
-
-        transport.in_flight.append(hook)
+    def in_flight(self, transport, transfer, payload):
+        if self.should_fire(transfer):
+            self.record(transfer, "failed")
+            raise TransferFailed("injected transfer failure")
+        return payload
 
 
 class TransferPartial(Fault):
@@ -210,18 +180,15 @@ class TransferPartial(Fault):
 
     name = "transfer-partial"
 
-    def install(self, transport):
-        def hook(tr, t, payload):
-            if not self.should_fire(t):
-                return payload
-            if payload.kind == "kv":
-                n = payload.tensors["kv"].shape[1] // 2
-                self.record(t, f"only {n} positions arrived")
-                return Payload("kv", {"kv": payload.tensors["kv"][:, :n]}, {"kv": payload.prov["kv"][:n]})
-            self.record(t, "conv state arrived without the matrix state")
-            return Payload("state", {"conv": payload.tensors["conv"]}, {"conv": payload.prov["conv"]})
-
-        transport.in_flight.append(hook)
+    def in_flight(self, transport, transfer, payload):
+        if not self.should_fire(transfer):
+            return payload
+        if payload.kind == "kv":
+            n = payload.tensors["kv"].shape[1] // 2
+            self.record(transfer, f"only {n} positions arrived")
+            return Payload("kv", {"kv": payload.tensors["kv"][:, :n]}, {"kv": payload.prov["kv"][:n]})
+        self.record(transfer, "conv state arrived without the matrix state")
+        return Payload("state", {"conv": payload.tensors["conv"]}, {"conv": payload.prov["conv"]})
 
 
 class TransferCorrupt(Fault):
@@ -230,16 +197,13 @@ class TransferCorrupt(Fault):
 
     name = "transfer-corrupt"
 
-    def install(self, transport):
-        def hook(tr, t, payload):
-            if not self.should_fire(t):
-                return payload
-            self.record(t, "bytes perturbed")
-            gen = torch.Generator().manual_seed(self.rng.randrange(2**31))
-            noisy = {k: v + 1e-2 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in payload.tensors.items()}
-            return Payload(payload.kind, noisy, payload.prov)
-
-        transport.in_flight.append(hook)
+    def in_flight(self, transport, transfer, payload):
+        if not self.should_fire(transfer):
+            return payload
+        self.record(transfer, "bytes perturbed")
+        gen = torch.Generator().manual_seed(self.rng.randrange(2**31))
+        noisy = {k: v + 1e-2 * torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in payload.tensors.items()}
+        return Payload(payload.kind, noisy, payload.prov)
 
 
 class TransferReorder(Fault):
@@ -251,30 +215,18 @@ class TransferReorder(Fault):
     name = "transfer-reorder"
     applies_to = "load"
 
-    def install(self, transport):
-        fault = self
+    def schedule(self, transport, loads):
+        now, later = [], []
+        for t in loads:
+            if self.should_fire(t):
+                self.record(t, "completed a step late")
+                later.append(t)
+            else:
+                now.append(t)
+        return now, later
 
-        class Scheduler:
-            def __call__(self, tr, loads):
-                now, later = [], []
-                for t in loads:
-                    if fault.should_fire(t):
-                        fault.record(t, "completed a step late")
-                        later.append(t)
-                    else:
-                        now.append(t)
-                return now, later
-
-            @staticmethod
-            def order(done):
-                return list(reversed(done))
-
-        transport.schedulers.append(Scheduler())
-
-
-def _current(transport):
-    """The transfer being executed (the store seams see keys, the trigger wants the transfer)."""
-    return getattr(transport, "current", None)
+    def order(self, done):
+        return list(reversed(done))
 
 
 FAULTS: dict[str, type[Fault]] = {cls.name: cls for cls in (

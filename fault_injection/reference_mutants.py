@@ -11,8 +11,7 @@ from conformance.adapters.reference.block_pool import ROOT, BlockPool, chain
 from conformance.adapters.reference.cache import Match, ReferenceCache
 from conformance.contract import RESUME, copy_from
 from conformance.model import ModelConfig
-
-from .registry import register
+from fault_injection.registry import register
 
 
 def _subclass(factory, name: str, **methods):

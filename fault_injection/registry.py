@@ -1,10 +1,11 @@
-"""The registry of named faults.  Importing the package registers the
-built-in mutants; adapters' mutant modules register theirs the same way."""
+"""The registry of named mutants: what a mutant is and the decorator that
+registers one.  It imports no mutant module (they import it); the catalogue
+(:mod:`fault_injection.catalog`) loads them all."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,3 @@ def register(name: str, bug_class: str, target: str = "reference", options: dict
         return fn
 
     return deco
-
-
-def get_mutant(name: str) -> Mutant:
-    _load_builtin()
-    if name not in MUTANTS:
-        raise KeyError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}")
-    return MUTANTS[name]
-
-
-def _load_builtin() -> None:
-    from . import reference_mutants  # noqa: F401  (registers on import)
-    from . import retention_mutants  # noqa: F401
-    from . import vllm_mutants  # noqa: F401  (imports vLLM only when one is applied)

@@ -9,9 +9,8 @@ from dataclasses import asdict
 
 from conformance.adapters.reference.cache import ReferenceCache
 from conformance.adapters.reference.policy import RetentionPolicy
-
-from .registry import register
-from .reference_mutants import _subclass
+from fault_injection.reference_mutants import _subclass
+from fault_injection.registry import register
 
 
 class _NoPromptEnd(RetentionPolicy):

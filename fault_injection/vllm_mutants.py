@@ -11,9 +11,9 @@ reference, invariants), never through a check written for one of them.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from .registry import register
+from fault_injection.registry import register
 
 
 def _check(adapter) -> None:

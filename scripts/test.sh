@@ -42,6 +42,10 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     || log "WARNING: chromium could not be installed; the screenshot test will skip"
 fi
 
+log "linting (ruff) and type-checking (mypy)"
+"$main_env/bin/ruff" check . || exit 1
+"$main_env/bin/mypy" || exit 1
+
 log "running the tests"
 export VLLM_TARGET_DEVICE=cpu
 "$main_env/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -1,7 +1,7 @@
 import pytest
 
+from conformance.harness.oracle import Oracle
 from conformance.model import ModelConfig, TinyHybrid
-from conformance.oracle import Oracle
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conformance.cli import main
+from conformance.cli.main import main
 
 
 def test_run_writes_results_and_junit(tmp_path):

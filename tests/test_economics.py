@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from conformance import workload as wl
 from conformance.adapters.reference import ReferenceCache
-from conformance.cli import main
-from conformance.cost_model import NOTE_KV_BYTES_PER_TOKEN, NOTE_STATE_BYTES, CostModel, sizes_of
-from conformance.economics import replay
+from conformance.analysis.cost_model import NOTE_KV_BYTES_PER_TOKEN, NOTE_STATE_BYTES, CostModel, sizes_of
+from conformance.analysis.economics import replay_workload
+from conformance.cli.main import main
+from conformance.generate import workload as wl
 from conformance.model import ModelConfig
 
 torch.set_num_threads(1)
@@ -29,7 +29,7 @@ def _requests(lines):
 
 
 def _figures(requests, admission):
-    r = replay(requests, ReferenceCache, {"admission": admission}).result
+    r = replay_workload(requests, ReferenceCache, {"admission": admission}).result
     assert r["evictions"] == 0  # the figures are about admission, not capacity
     return r["entries_stored"], r["hits"], r["hits_per_entry"]
 
@@ -64,7 +64,7 @@ def test_bundled_flat_k2_second_hit_collects_nothing():
 
 def test_agent_sessions_reuse_prompt_ends_with_interval_zero():
     reqs = wl.load("agent-sessions")[:32]  # two turns of every session
-    r = replay(reqs, ReferenceCache, {"interval": 0}).result
+    r = replay_workload(reqs, ReferenceCache, {"interval": 0}).result
     assert r["hits"] == 16  # every second turn resumes from the first turn's state
     # the shared system prompt is served from the KV but has no state at its end with I = 0
     assert r["kv_hit_rate"] > r["state_hit_rate"] and r["recomputed_no_state_tokens"] > 0

@@ -14,13 +14,14 @@ import random
 
 import pytest
 
-from conformance.engine.adapter import EngineError, EngineInfo, EngineOutput
+from conformance.engine.adapter import EngineInfo, EngineOutput
 from conformance.engine.checks import Variant, judge
 from conformance.engine.hf_forward import Scored
 from conformance.engine.references import CacheOffReference
 from conformance.engine.tolerance import calibrate, compare_to_cache_off, compare_to_transformers
 from conformance.engine.trace import CachedEngine, lcp, run_workload
 from conformance.engine.workloads import FAMILIES, Size, boundary_offsets
+from conformance.errors import EngineError
 
 B = 16
 VOCAB = 64

@@ -8,8 +8,8 @@ import pytest
 
 from conformance.adapters.reference import ReferenceCache
 from conformance.adapters.reference.host_tier import HostTier
-from conformance.cli import main
-from conformance.run import RunOptions, run
+from conformance.cli.main import main
+from conformance.suite.run import RunOptions, run
 from fault_injection.environment import FAULTS, Trigger, build_faults
 
 TIER = {"host_tier": True}

@@ -16,22 +16,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The run under test: shrinking off so that the first (mutant) check fails in
-# seconds, and every later check made slow, so that the signal surely lands
+# The run under test (shrinking off, so that the first (mutant) check fails in
+# seconds) with every later check made slow, so that the signal surely lands
 # while a check is running.
 SCRIPT = """
 import sys, time
-from hypothesis import Phase, settings
-import conformance.run
-_original = conformance.run.hypothesis_settings
-conformance.run.hypothesis_settings = lambda *a, **k: settings(_original(*a, **k), phases=(Phase.explicit, Phase.generate))
-_run_check = conformance.run.run_check
+import conformance.suite.run
+_run_check = conformance.suite.run.run_check
 def slow_after_first(*args, **kw):
     if args[6] > 1:  # the check's index in the profile
         time.sleep(600)
     return _run_check(*args, **kw)
-conformance.run.run_check = slow_after_first
-from conformance.cli import main
+conformance.suite.run.run_check = slow_after_first
+from conformance.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -41,7 +38,7 @@ def test_interrupted_run_keeps_valid_results_and_repros(tmp_path, sig):
     out = tmp_path / "rep"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "run", "--mutant", "late-snapshot", "--profile", "standard",
-                             "--examples", "400", "--steps", "6", "--report-dir", str(out)],
+                             "--examples", "400", "--steps", "6", "--shrink", "none", "--report-dir", str(out)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = out / "results.json"
     deadline = time.monotonic() + 300

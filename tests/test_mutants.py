@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from conformance.cli import main
-from conformance.commands.mutants import mutants_for, run_mutant, summarize
-from conformance.run import RunOptions
+from conformance.cli.cmd_mutants import mutants_for, run_mutant, summarize
+from conformance.cli.main import main
+from conformance.suite.run import RunOptions
 
 REFERENCE_MUTANTS = sorted(m.name for m in mutants_for("reference"))
 
@@ -22,7 +22,7 @@ def test_the_registry_holds_the_seeded_bugs():
 
 @pytest.mark.parametrize("name", REFERENCE_MUTANTS)
 def test_mutant_is_detected_with_a_short_repro(name, tmp_path):
-    from fault_injection import get_mutant
+    from fault_injection.catalog import get_mutant
 
     entry = run_mutant(get_mutant(name), RunOptions(profile="quick"), tmp_path / name)
     assert entry["detected"], f"{name} escaped the suite: checks run {entry['checks_run']}"
@@ -35,7 +35,7 @@ def test_mutant_is_detected_with_a_short_repro(name, tmp_path):
 
 def test_the_reference_itself_is_not_flagged(tmp_path):
     """The mutants' checks pass on the correct cache: a detection means the bug."""
-    from conformance.run import run
+    from conformance.suite.run import run
 
     result = run(RunOptions(checks=("mid-block-hits", "multi-turn-replay"), examples=8, report_dir=tmp_path))
     assert result.ok, [c.failure for c in result.checks]

@@ -4,8 +4,8 @@ import re
 from pathlib import Path
 
 from conformance.contract import ImplConfig
-from conformance.ops import Drain, Submit
-from conformance.session import make_session
+from conformance.harness.ops import Drain, Submit
+from conformance.judge import judged_session
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -20,7 +20,7 @@ def _example_namespace():
 
 def test_readme_adapter_is_correct(model, oracle):
     NoCache = _example_namespace()["NoCache"]
-    s = make_session(NoCache, ImplConfig(block_size=4, num_kv_blocks=32, num_state_slots=8), model, oracle)
+    s = judged_session(NoCache, ImplConfig(block_size=4, num_kv_blocks=32, num_state_slots=8), model, oracle)
     s.apply(Submit("a", tuple(range(1, 11)), 2))
     s.apply(Submit("b", tuple(range(1, 7)), 3))
     s.apply(Drain(5))

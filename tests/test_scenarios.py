@@ -13,18 +13,17 @@ from pathlib import Path
 import pytest
 
 from conformance.model import ModelConfig, TinyHybrid
-from conformance.replay import replay
-from conformance.repro_format import load
+from conformance.results.repro import load
+from conformance.suite.replay import replay
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "fixtures" / "scenarios"
 FILES = sorted(SCENARIO_DIR.glob("*.json"))
 
 
 def _registered() -> set[str]:
-    from fault_injection import registry
+    from fault_injection.catalog import all_mutants
 
-    registry._load_builtin()
-    return set(registry.MUTANTS)
+    return set(all_mutants())
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,16 @@ import pytest
 
 from conformance.adapters.reference import ReferenceCache
 from conformance.contract import ImplConfig, RequestStep, StepPlan
-from conformance.guard import ImplementationError
-from conformance.ops import Abort, Drain, Step, Submit
-from conformance.session import ConformanceFailure, make_session
+from conformance.errors import ConformanceFailure, ImplementationError
+from conformance.harness.ops import Abort, Drain, Step, Submit
+from conformance.judge import judged_session
 
 CFG = ImplConfig(block_size=4, num_kv_blocks=32, num_state_slots=16)
 BASE = tuple(range(1, 30))
 
 
 def session(model, oracle, factory=ReferenceCache, timeout=5.0):
-    return make_session(factory, CFG, model, oracle, timeout=timeout)
+    return judged_session(factory, CFG, model, oracle, timeout=timeout)
 
 
 def test_reference_reuses_mid_block_prefix_and_snapshot(model, oracle):

@@ -16,8 +16,11 @@ pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm]")
 from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
 from conformance.contract import ImplConfig, Layout  # noqa: E402
-from conformance.ops import Abort, Drain, Step, Submit  # noqa: E402
-from conformance.session import ConformanceFailure, Session  # noqa: E402
+from conformance.errors import ConformanceFailure  # noqa: E402
+from conformance.harness.checker import CheckerSet  # noqa: E402
+from conformance.harness.ops import Abort, Drain, Step, Submit  # noqa: E402
+from conformance.harness.session import Session  # noqa: E402
+from conformance.judge import standard_checkers  # noqa: E402
 from fault_injection.vllm_mutants import VLLM_MUTANTS  # noqa: E402
 
 B = 4
@@ -30,7 +33,7 @@ def make(model, oracle, num_blocks=64, mutant=None, block_size=B, **options):
                                 options=options))
     if mutant is not None:
         impl = VLLM_MUTANTS[mutant](impl)
-    return Session(impl, model, oracle)
+    return Session(impl, model, oracle, CheckerSet(standard_checkers()))
 
 
 def apply_all(session, ops):
@@ -230,7 +233,8 @@ def test_mutant_is_caught_with_a_tier(model, oracle, mutant, divergent):
 
 
 def test_mutants_are_documented_and_registered():
-    from fault_injection.registry import MUTANTS
+    from fault_injection.catalog import all_mutants
+    MUTANTS = all_mutants()
 
     for name, apply in VLLM_MUTANTS.items():
         assert apply.__doc__ and len(apply.__doc__) > 40, name
@@ -270,11 +274,11 @@ def test_state_machine_catches_every_vllm_mutant(mutant, tmp_path):
     repro it writes replays the failure."""
     import json
 
-    from conformance.commands.mutants import run_mutant
-    from conformance.replay import replay
-    from conformance.repro_format import load
-    from conformance.run import RunOptions
-    from fault_injection import get_mutant
+    from conformance.cli.cmd_mutants import run_mutant
+    from conformance.results.repro import load
+    from conformance.suite.replay import replay
+    from conformance.suite.run import RunOptions
+    from fault_injection.catalog import get_mutant
 
     entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=("mid-block-hits",)), tmp_path / mutant)
     assert entry["detected"], entry["not_detections"]
@@ -287,7 +291,7 @@ def test_state_machine_catches_every_vllm_mutant(mutant, tmp_path):
 def test_faults_through_the_state_machine(tmp_path):
     """``run --impl vllm --faults ...`` turns the store connector on; the
     faults fire inside Hypothesis-driven runs and vLLM still passes."""
-    from conformance.run import RunOptions, run
+    from conformance.suite.run import RunOptions, run
 
     faults = ("alloc-fail", "transfer-fail", "transfer-corrupt", "transfer-partial")
     result = run(RunOptions(impl="vllm", checks=("eviction-pressure",), faults=faults, report_dir=tmp_path))
@@ -301,15 +305,16 @@ def test_declared_retention_holds(model, oracle, unit, interval):
     interval's boundaries where a step ends); both retention families hold on
     a generic sequence with shared prefixes, a junction and a continuation.
     A setting the schema cannot state is not declared (the checks skip it)."""
-    from conformance.retention import RetentionChecker
+    from conformance.judge.retention import RetentionChecker
 
     s = make(model, oracle, prefix_match_unit=unit, retention_interval=interval)
-    for family in ("retention", "hit-rate"):
-        s.observers.append(RetentionChecker(s, family))
+    checkers = [RetentionChecker(family) for family in ("retention", "hit-rate")]
+    for checker in checkers:
+        s.add_checker(checker)
     for op in generic_ops(s):
         s.apply(op)
     assert s.coverage["checkpoints_offered"] > 0 and s.coverage["state_lookups"] > 0
-    assert any(s.observers[0].junctions.values()), "no junction occurred"
+    assert any(checkers[0].junctions.values()), "no junction occurred"
     assert VllmCache(ImplConfig(block_size=B, options={"shared_prefix_checkpoint": True})).retention() is None
 
 

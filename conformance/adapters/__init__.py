@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from ..contract import missing_methods
+from conformance.contract import missing_methods
+from conformance.errors import UsageError
 
 # Named adapters, imported lazily: vLLM is heavy and optional.
 NAMED = {
@@ -12,10 +13,6 @@ NAMED = {
     "vllm": "conformance.adapters.vllm:VllmCache",
 }
 ENGINE_LEVEL = {"vllm-engine"}
-
-
-class UsageError(Exception):
-    """Bad input from the user (exit code 2)."""
 
 
 def resolve(spec: str):

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 
-from ..results import CheckResult
-from .workloads import FAMILIES, Size
+from conformance.engine.workloads import FAMILIES, Size
+from conformance.results.records import CheckResult
 
 IMPLEMENTATION = "vllm-engine"
 ALL = tuple(FAMILIES)
@@ -66,7 +66,7 @@ PROFILES: dict[str, dict] = {
 
 def planned_checks(profile: str, options: dict | None = None):
     """The Variant list a profile (and options) will run."""
-    from .checks import Variant
+    from conformance.engine.checks import Variant
 
     opts = dict(options or {})
     # From the CLI (--option models=a,b) these arrive as strings.
@@ -86,7 +86,7 @@ def select_checks(variants, checks) -> list:
     ``engine-reference-agreement:<variant>`` needs every family of its variant:
     it compares the references over every distinct prompt the workloads made.
     An id this profile does not plan raises ValueError."""
-    from .checks import Variant, check_id
+    from conformance.engine.checks import Variant, check_id
 
     if not checks:
         return list(variants)
@@ -107,7 +107,7 @@ def select_checks(variants, checks) -> list:
 
 
 def _skipped(variants, reason: str) -> list[CheckResult]:
-    from .checks import DESCRIPTIONS, check_id
+    from conformance.engine.checks import DESCRIPTIONS, check_id
 
     return [CheckResult(id=check_id(f, v), family=f"engine-{f}", status="skipped", description=DESCRIPTIONS[f],
                         reason=reason) for v in variants for f in v.families]
@@ -115,7 +115,7 @@ def _skipped(variants, reason: str) -> list[CheckResult]:
 
 def engine_unavailable(options: dict | None = None, device: str = "cpu") -> str | None:
     """Why the engine checks cannot run here (None: they can)."""
-    from .process import engine_python, python_has
+    from conformance.engine.process import engine_python, python_has
 
     py = engine_python(options)
     if not python_has(py, "vllm"):
@@ -141,8 +141,8 @@ def run_engine_checks(profile: str, seed: int, options: dict, progress=None,
                       checks=()) -> tuple[dict, list[CheckResult]]:
     """``checks``: check ids to run (default: all the profile plans); only
     their results are returned."""
-    from .checks import run_variant
-    from .models import load_fixture
+    from conformance.engine.checks import run_variant
+    from conformance.engine.models import load_fixture
 
     options = dict(options or {})
     t0 = time.monotonic()

@@ -10,8 +10,9 @@ from its prefix cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -19,17 +20,6 @@ class EngineOutput:
     tokens: tuple[int, ...]  # generated token ids (greedy)
     logprobs: tuple[float, ...]  # logprob of each generated token, same length
     cached_tokens: int  # prompt tokens served from the prefix cache (0: a miss)
-
-
-class EngineError(Exception):
-    """The engine failed a call: raised, crashed or hung.  A defect of the
-    engine under test, reported as a check result, never a harness crash."""
-
-    def __init__(self, kind: str, message: str, log_tail: str = ""):
-        super().__init__(message)
-        self.kind = kind  # raised | crashed | timeout | startup
-        self.message = message
-        self.log_tail = log_tail
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Engine checks: run each family's workload on the cached engine, then judge
 every request against both no-cache references, producing
-:class:`conformance.results.CheckResult` objects.
+:class:`conformance.results.records.CheckResult` objects.
 
 Check ids are ``engine-<family>:<model>[+<variant>]``; one more per model,
 ``engine-reference-agreement:<model>``, says whether the engine's cache-off
@@ -15,14 +15,22 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from ..results import CheckResult, Failure
-from .adapter import EngineError
-from .references import CacheOffReference, TransformersReference
-from .tolerance import (Tolerance, calibrate, common_run, compare_to_cache_off, compare_to_transformers,
-                        conditioned_ceiling, hf_ceiling, max_abs_delta)
-from .trace import CachedEngine, Trace, run_workload
-from .vllm_engine import VllmEngine
-from .workloads import FAMILIES, Size
+from conformance.engine.references import CacheOffReference, TransformersReference
+from conformance.engine.tolerance import (
+    Tolerance,
+    calibrate,
+    common_run,
+    compare_to_cache_off,
+    compare_to_transformers,
+    conditioned_ceiling,
+    hf_ceiling,
+    max_abs_delta,
+)
+from conformance.engine.trace import CachedEngine, Trace, run_workload
+from conformance.engine.vllm_engine import VllmEngine
+from conformance.engine.workloads import FAMILIES, Size
+from conformance.errors import EngineError
+from conformance.results.records import CheckResult, Failure
 
 DESCRIPTIONS = {
     "mid-block": "prompts sharing prefixes of k*B-1, k*B, k*B+1 and k*B+B/2 tokens, in successive calls",

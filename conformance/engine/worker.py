@@ -119,7 +119,7 @@ class VllmHost:
 
 class HfHost:
     def __init__(self, model_dir: str, options: dict):
-        from .hf_forward import TransformersForward
+        from conformance.engine.hf_forward import TransformersForward
 
         self.ref = TransformersForward(model_dir, compute_dtype=options.get("hf_compute_dtype", "float32"),
                                        device=options.get("device", "cpu"))
@@ -141,7 +141,7 @@ def main() -> None:
         try:
             cmd = msg["cmd"]
             if cmd == "init":
-                from .models import ensure_model, load_fixture
+                from conformance.engine.models import ensure_model, load_fixture
 
                 fixture = load_fixture(msg["model"])
                 model_dir = str(ensure_model(fixture, msg.get("cache_dir")))

@@ -4,7 +4,7 @@ A workload is a generator: it yields a *round* (a list of :class:`Req`
 submitted in one ``generate`` call, so the engine may batch them) and receives
 the outputs of that round, from which later rounds may be built (multi-turn).
 Lengths sit at block boundaries (k*B-1, k*B, k*B+1, k*B+B/2), the same offsets
-as :func:`conformance.scenarios.boundary_lengths`, because that is where cache
+as :func:`conformance.generate.strategies.boundary_lengths`, because that is where cache
 bugs live.  Why seeded generators and not Hypothesis: one engine call costs
 ~0.1-1 s and an engine start ~45 s, so shrinking is out of reach; a failure's
 repro is the exact list of rounds instead.
@@ -13,8 +13,8 @@ repro is the exact list of rounds instead.
 from __future__ import annotations
 
 import random
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Generator
 
 FIRST_TOKEN = 3  # keep clear of pad/bos/eos (0, 1, 2)
 

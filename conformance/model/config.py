@@ -54,7 +54,7 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelConfig":
+    def from_dict(cls, data: dict) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -62,6 +62,6 @@ class ModelConfig:
         return cls(**data)
 
     @classmethod
-    def load(cls, path: str | Path) -> "ModelConfig":
+    def load(cls, path: str | Path) -> ModelConfig:
         with open(path, "rb") as fh:
             return cls.from_dict(tomllib.load(fh).get("model", {}))

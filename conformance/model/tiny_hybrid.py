@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from conformance.model.config import ModelConfig
 
 
 @dataclass
@@ -202,7 +202,7 @@ class TinyHybrid:
                 q, k, v = self._split_conv_out(y)
                 decay, beta = self._gates(p, x)
 
-                def on_capture(rel: int, S: torch.Tensor, window=window) -> None:
+                def on_capture(rel: int, S: torch.Tensor, window=window, w_=w_) -> None:
                     captured[start + rel].append(RecState(conv=window[rel: rel + w_ - 1].clone(), ssm=S.clone()))
 
                 o, S = self._delta_rule(st.ssm, q, k, v, decay, beta, capture_rel, on_capture)

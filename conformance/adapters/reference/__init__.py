@@ -1,5 +1,5 @@
 """The embedded reference implementation (``--impl reference``)."""
 
-from .cache import ReferenceCache
+from conformance.adapters.reference.cache import ReferenceCache
 
 __all__ = ["ReferenceCache"]

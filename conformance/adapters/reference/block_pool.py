@@ -3,7 +3,7 @@ tuples for the tail) and LRU eviction of free cached blocks."""
 
 from __future__ import annotations
 
-from .ref_pool import RefPool
+from conformance.adapters.reference.ref_pool import RefPool
 
 ROOT = 0  # chain key of the empty prefix
 

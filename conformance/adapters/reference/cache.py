@@ -15,12 +15,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...contract import (FRESH, RESUME, CachedKV, CachedState, CacheView, ImplConfig, Layout, Request,
-                         RequestStep, StateInit, StepPlan, StepResult, copy_from)
-from .block_pool import ROOT, BlockPool, chain
-from .host_tier import HostTier
-from .policy import RetentionPolicy, Sightings
-from .state_pool import StatePool
+from conformance.adapters.reference.block_pool import ROOT, BlockPool, chain
+from conformance.adapters.reference.host_tier import HostTier
+from conformance.adapters.reference.policy import RetentionPolicy, Sightings
+from conformance.adapters.reference.state_pool import StatePool
+from conformance.contract import (
+    FRESH,
+    RESUME,
+    CachedKV,
+    CachedState,
+    CacheView,
+    ImplConfig,
+    Layout,
+    Request,
+    RequestStep,
+    StateInit,
+    StepPlan,
+    StepResult,
+    copy_from,
+)
 
 
 @dataclass

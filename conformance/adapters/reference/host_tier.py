@@ -17,8 +17,8 @@ gets one round of loads, so a tier that keeps failing cannot starve it.
 
 from __future__ import annotations
 
-from ...contract import Transfer, TransferDone
-from .block_pool import ROOT, chain
+from conformance.adapters.reference.block_pool import ROOT, chain
+from conformance.contract import Transfer, TransferDone
 
 
 def kv_key(prefix: tuple[int, ...]) -> str:
@@ -131,7 +131,7 @@ class HostTier:
     def _load(self, rid: str, blocks: list[dict], state: dict | None) -> None:
         wanted = [("kv", b) for b in blocks] + ([("state", state)] if state else [])
         dests = []
-        for kind, info in wanted:
+        for kind, _ in wanted:
             dest = (self.cache.kv if kind == "kv" else self.cache.states).allocate()
             if dest is None:  # no room: give up on this round (the request recomputes)
                 for k, d in dests:

@@ -30,7 +30,7 @@ class RetentionPolicy:
     admission: str = "always"  # "always" | "second-hit"
 
     @classmethod
-    def from_options(cls, options: dict, block_size: int) -> "RetentionPolicy":
+    def from_options(cls, options: dict, block_size: int) -> RetentionPolicy:
         interval = options.get("interval")
         if interval is not None and (not isinstance(interval, int) or interval < 0):
             raise ValueError(f"retention interval must be None or an integer >= 0, got {interval!r}")

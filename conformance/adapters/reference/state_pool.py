@@ -7,7 +7,7 @@ registered slot is never overwritten (vLLM's "align" mode does the same)."""
 
 from __future__ import annotations
 
-from .ref_pool import RefPool
+from conformance.adapters.reference.ref_pool import RefPool
 
 
 class StatePool(RefPool):

@@ -21,6 +21,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "the vLLM adapter needs vLLM: pip install vllm==0.33.0 (or pip install -e '.[vllm]'); "
         f"importing it failed with: {exc}") from exc
 
-from .adapter import VllmCache  # noqa: E402
+from conformance.adapters.vllm.adapter import VllmCache  # noqa: E402
 
 __all__ = ["VllmCache"]

@@ -23,10 +23,10 @@ from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from ...contract import ImplConfig, Layout, Request, StepPlan, StepResult
-from .config import VllmOptions, build_kv_cache_config, build_vllm_config
-from .translate import RunnerState
-from .view import HashRegistry, build_view
+from conformance.adapters.vllm.config import VllmOptions, build_kv_cache_config, build_vllm_config
+from conformance.adapters.vllm.translate import RunnerState
+from conformance.adapters.vllm.view import HashRegistry, build_view
+from conformance.contract import ImplConfig, Layout, Request, StepPlan, StepResult
 
 # Any token id: ignore_eos=True keeps it from ending a request early.
 _EOS = 2
@@ -45,7 +45,7 @@ class VllmCache:
         self.connector = None
         kv_transfer = None
         if self.opts.connector not in (None, False):
-            from .connector import connector_transfer_config
+            from conformance.adapters.vllm.connector import connector_transfer_config
 
             kv_transfer = connector_transfer_config(self.opts.connector)
         self.vllm_config = build_vllm_config(self.opts, kv_transfer)

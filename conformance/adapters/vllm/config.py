@@ -15,7 +15,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from ...contract import ImplConfig
+from conformance.contract import ImplConfig
 
 ADMISSIONS = ("second-hit", "always")
 
@@ -50,7 +50,7 @@ class VllmOptions:
     connector: dict | None = None
 
     @classmethod
-    def from_config(cls, config: ImplConfig) -> "VllmOptions":
+    def from_config(cls, config: ImplConfig) -> VllmOptions:
         o = dict(config.options)
         known = {"prefix_match_unit", "retention_interval", "interval", "admission", "max_num_seqs",
                  "max_model_len", "shared_prefix_checkpoint", "connector"}

@@ -8,7 +8,7 @@ divergent-hybrid path) and its asynchronous-load path
 (``WAITING_FOR_REMOTE_KVS``, ``finished_recving`` / ``failed_recving``, the
 recompute policy) are vLLM's code, exercised as they are.
 
-The store is the harness's host tier (:mod:`conformance.transport`): the
+The store is the harness's host tier (:mod:`conformance.harness.transport`): the
 connector never touches memory, it only issues the contract's
 :class:`~conformance.contract.Transfer` s and reads their completions, so the
 environment faults (lost entries, failed, short, corrupted or late transfers)
@@ -40,12 +40,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole, SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
 from vllm.v1.outputs import KVConnectorOutput
 
-from ...contract import Transfer, TransferDone
-from .config import ATTN_GROUP, MAMBA_GROUP
+from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
+from conformance.contract import Transfer, TransferDone
 
 CONNECTOR_NAME = "HarnessStoreConnector"
 DEFAULTS = {"divergent": False, "async": True}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...contract import FRESH, RESUME, RequestStep, StepPlan, copy_from
-from .config import ATTN_GROUP, MAMBA_GROUP
+from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
+from conformance.contract import FRESH, RESUME, RequestStep, StepPlan, copy_from
 
 
 def cdiv(a: int, b: int) -> int:

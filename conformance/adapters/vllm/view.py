@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id
 
-from ...contract import CachedKV, CachedState, CacheView
-from .config import ATTN_GROUP, MAMBA_GROUP
+from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
+from conformance.contract import CachedKV, CachedState, CacheView
 
 
 @dataclass

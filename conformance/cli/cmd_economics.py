@@ -1,0 +1,124 @@
+"""``hybrid-conformance economics``: what a retention policy stores and reuses
+on a workload, measured by replaying it through a real cache (see
+:mod:`conformance.analysis.economics`), and the design note's cost model (crossover
+length, optimal interval) for a model's sizes and one's own prices."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conformance.adapters import resolve
+from conformance.errors import UsageError
+from conformance.model import ModelConfig
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("economics", help="measure cache economics of a retention policy on a workload; cost model")
+    p.add_argument("--workload", default=None,
+                   help="bundled workload name (heavy-tail, flat-k2, agent-sessions) or a JSONL file")
+    p.add_argument("--impl", default="reference", help="reference, vllm or module:Class (default: reference)")
+    p.add_argument("--admission", choices=("always", "second-hit"), default=None,
+                   help="admission policy option passed to the implementation (default: its own)")
+    p.add_argument("--interval", type=int, default=None,
+                   help="retention interval I (a multiple of the block size; 0 = prompt ends only; "
+                        "default: every block boundary)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="another implementation option (JSON value; repeatable)")
+    p.add_argument("--block-size", type=int, default=4, help="block size of the replay (default 4)")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of hit rates and occupancies (matplotlib)")
+    p.add_argument("--report-dir", type=Path, default=None,
+                   help="also write economics-<workload>-<policy>.json and .png there (where HTML reports look)")
+    cost = p.add_argument_group("cost model (design note, sections 1-2)")
+    cost.add_argument("--state-bytes", type=float, default=None, help="bytes of one recurrent state")
+    cost.add_argument("--kv-bytes-per-token", type=float, default=None, help="attention KV bytes per token")
+    cost.add_argument("--model-config", type=Path, default=None,
+                      help="a model TOML (fixtures/models/*.toml): state and KV sizes from its shapes")
+    cost.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element with --model-config (default 2)")
+    cost.add_argument("--context", type=int, default=None, help="context length T (default 1,000,000)")
+    cost.add_argument("--alpha", type=float, default=None, help="cost per byte held (default 1e-9)")
+    cost.add_argument("--beta", type=float, default=None, help="cost per token recomputed (default 1e-3)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from conformance.cli.common import parse_options
+
+    cost = _cost_model(args)
+    if args.workload is None and cost is None:
+        raise UsageError("economics: give --workload, or cost-model sizes (--state-bytes and --kv-bytes-per-token, "
+                         "or --model-config)")
+    out: dict = {}
+    replayed = None
+    if args.workload is not None:
+        from conformance.analysis.economics import replay_workload
+        from conformance.generate import workload as wl
+
+        try:
+            requests = wl.load(args.workload)
+        except ValueError as exc:
+            raise UsageError(f"--workload: {exc}") from None
+        options = parse_options(args.option)
+        if args.admission is not None:
+            options["admission"] = args.admission
+        if args.interval is not None:
+            options["interval"] = args.interval
+        factory = resolve(args.impl)
+        replayed = replay_workload(requests, factory, options, name=Path(args.workload).stem, impl_name=args.impl,
+                          block_size=args.block_size,
+                          keep_series=args.plot is not None or args.report_dir is not None)
+        out = dict(replayed.result)
+    if cost is not None:
+        out["cost_model"] = cost.report()
+    if args.report_dir is not None and replayed is not None:
+        args.report_dir.mkdir(parents=True, exist_ok=True)
+        r = replayed.result
+        stem = f"economics-{r['workload']}-i{'block' if r['interval'] is None else r['interval']}-{r['admission']}"
+        args.plot = args.plot or args.report_dir / f"{stem}.png"
+        (args.report_dir / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
+    if args.plot is not None and replayed is not None:
+        from conformance.analysis.economics import plot
+
+        why = plot(replayed, args.plot)
+        out["plot"] = None if why else str(args.plot)
+        if why:
+            print(f"hybrid-conformance: {why}", file=sys.stderr)
+    if args.format == "json":
+        print(json.dumps(out, indent=2))
+    else:
+        from conformance.analysis.cost_model import format_report
+        from conformance.analysis.economics import format_text
+
+        if replayed is not None:
+            print(format_text(out))
+        if cost is not None:
+            print(format_report(out["cost_model"]))
+        if out.get("plot"):
+            print(f"plot: {out['plot']}")
+    return 0
+
+
+def _cost_model(args):
+    from conformance.analysis.cost_model import NOTE_ALPHA, NOTE_BETA, NOTE_CONTEXT, CostModel, sizes_of
+
+    state, kv = args.state_bytes, args.kv_bytes_per_token
+    if args.model_config is not None:
+        try:
+            m_state, m_kv = sizes_of(ModelConfig.load(args.model_config), args.dtype_bytes)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--model-config {args.model_config}: {exc}") from None
+        state = m_state if state is None else state
+        kv = m_kv if kv is None else kv
+    prices = (args.context, args.alpha, args.beta)
+    if state is None and kv is None:
+        if any(v is not None for v in prices):
+            raise UsageError("--context/--alpha/--beta need --state-bytes and --kv-bytes-per-token (or --model-config)")
+        return None
+    if state is None or kv is None:
+        raise UsageError("the cost model needs both --state-bytes and --kv-bytes-per-token (or --model-config)")
+    try:
+        return CostModel(state, kv, args.context or NOTE_CONTEXT, args.alpha or NOTE_ALPHA, args.beta or NOTE_BETA)
+    except ValueError as exc:
+        raise UsageError(f"cost model: {exc}") from None

@@ -1,0 +1,176 @@
+"""``hybrid-conformance mutants``: the suite's self-check.
+
+Runs the suite against every mutant registered for an implementation (a
+seeded, realistic bug in one decision), stopping each mutant's run at its
+first failing check, and writes ``mutants.json``: which check caught which
+mutant, after how many examples and seconds, and how short the minimized
+repro is.  A mutant the suite misses means the suite has a blind spot, so the
+exit status is 0 only when every mutant is detected.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from conformance.cli.common import add_impl_options, parse_options
+from conformance.errors import UsageError
+from conformance.suite.run import RunOptions, run
+
+# A failure of these kinds says nothing about the mutant: the situation never
+# occurred (coverage) or the harness itself crashed.
+NOT_DETECTION = ("coverage", "harness")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("mutants", help="check that the suite detects every registered mutant")
+    add_impl_options(p)
+    p.add_argument("--only", default="", help="only these mutants, comma separated")
+    p.add_argument("--profile", default="quick", help="quick, standard or nightly (default quick)")
+    p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
+    p.add_argument("--examples", type=int, default=None, help="Hypothesis examples per check (overrides profile)")
+    p.add_argument("--steps", type=int, default=None, help="operations per example (overrides profile)")
+    p.set_defaults(func=main)
+
+
+def mutants_for(impl: str) -> list:
+    """The registered mutants that apply to ``impl`` (vLLM's only for ``vllm``:
+    importing them needs vLLM)."""
+    from fault_injection.catalog import all_mutants
+
+    MUTANTS = all_mutants()
+    target = "vllm" if impl == "vllm" else "reference"
+    if impl not in ("reference", "vllm"):  # module:Class: reference mutants subclass the reference only
+        from conformance.adapters import resolve
+        from conformance.adapters.reference import ReferenceCache
+
+        factory = resolve(impl)
+        if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
+            return []
+    return [m for m in MUTANTS.values() if m.target == target]
+
+
+def select(mutants: list, only: str) -> list:
+    if not only:
+        return mutants
+    wanted = [n.strip() for n in only.split(",") if n.strip()]
+    known = {m.name for m in mutants}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise UsageError(f"--only: unknown mutant(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return [m for m in mutants if m.name in wanted]
+
+
+def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
+    """One mutant through the suite, up to the first check that catches it.
+    A failure that says nothing about the mutant (a situation that never
+    occurred) does not stop it: the remaining checks still get their chance."""
+    from conformance.suite.checks import PROFILES
+
+    remaining = list(base.checks) or [spec.id for spec in PROFILES[base.profile].checks]
+    entry = {"name": mutant.name, "class": mutant.bug_class, "description": mutant.description,
+             "detected": False, "check": None, "kind": None, "message": None,
+             "examples_to_detection": None, "seconds_to_detection": None, "repro_steps": None, "repro": None,
+             "checks_run": [], "seconds": None, "report_dir": str(report_dir), "not_detections": []}
+    started = time.perf_counter()
+    # Detection cost counts every check run before the one that caught it:
+    # that is what the suite spent to find the bug.
+    examples_before = seconds_before = 0
+    part = 0
+    while remaining:
+        out = report_dir if part == 0 else report_dir / f"part{part + 1}"
+        result = run(RunOptions(**{**base.__dict__, "mutant": mutant.name, "report_dir": out,
+                                   "checks": tuple(remaining), "stop_at_failure": True, "progress": None,
+                                   "shrink": "ops"}))
+        part += 1
+        remaining = []
+        for i, c in enumerate(result.checks):
+            entry["checks_run"].append(c.id)
+            f = c.failure
+            if c.status in ("failed", "error") and f is not None and c.id != "faults-exercised":
+                if f.kind in NOT_DETECTION:
+                    entry["not_detections"].append({"check": c.id, "kind": f.kind, "message": f.message[:300]})
+                    remaining = [spec_id for spec_id in _ids_after(result, i, base)]
+                    examples_before += c.examples
+                    seconds_before += c.seconds
+                    break
+                entry.update(detected=True, check=c.id, kind=f.kind, message=f.message[:500],
+                             repro_steps=len(f.steps) if f.steps else None, repro=f.repro)
+                if f.examples_to_failure is not None:
+                    entry["examples_to_detection"] = examples_before + f.examples_to_failure
+                    entry["seconds_to_detection"] = round(seconds_before + f.seconds_to_failure, 3)
+                entry["seconds"] = round(time.perf_counter() - started, 3)
+                return entry
+            examples_before += c.examples
+            seconds_before += c.seconds
+    entry["seconds"] = round(time.perf_counter() - started, 3)
+    return entry
+
+
+def _ids_after(result, i: int, base: RunOptions) -> list[str]:
+    """The checks of this run that come after check ``i`` (not run: the run stopped there)."""
+    from conformance.suite.checks import PROFILES
+
+    planned = list(base.checks) or [spec.id for spec in PROFILES[base.profile].checks]
+    ran = [c.id for c in result.checks]
+    return planned[planned.index(ran[i]) + 1:] if ran[i] in planned else []
+
+
+def summarize(entries: list[dict]) -> dict:
+    secs = sorted(e["seconds_to_detection"] for e in entries if e["detected"] and e["seconds_to_detection"] is not None)
+    steps = [e["repro_steps"] for e in entries if e["repro_steps"] is not None]
+    median = (secs[len(secs) // 2] if len(secs) % 2 else (secs[len(secs) // 2 - 1] + secs[len(secs) // 2]) / 2) \
+        if secs else None
+    return {"mutants": len(entries), "detected": sum(e["detected"] for e in entries),
+            "missed": [e["name"] for e in entries if not e["detected"]],
+            "median_seconds_to_detection": None if median is None else round(median, 3),
+            "max_seconds_to_detection": secs[-1] if secs else None,
+            "max_repro_steps": max(steps) if steps else None}
+
+
+def table(entries: list[dict]) -> str:
+    rows = [("mutant", "class", "detected", "check", "kind", "examples", "seconds", "repro ops")]
+    for e in entries:
+        rows.append((e["name"], e["class"], "yes" if e["detected"] else "NO", e["check"] or "-", e["kind"] or "-",
+                     str(e["examples_to_detection"] or "-"), str(e["seconds_to_detection"] or "-"),
+                     str(e["repro_steps"] or "-")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def main(args) -> int:
+    chosen = select(mutants_for(args.impl), args.only)
+    if not chosen:
+        raise UsageError(f"no mutants are registered for --impl {args.impl}")
+    from conformance.suite.options import default_report_dir
+
+    out = Path(args.report_dir or default_report_dir(f"mutants-{args.impl}", args.seed))
+    out.mkdir(parents=True, exist_ok=True)
+    base = RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, checks=tuple(args.check),
+                      timeout=args.timeout, examples=args.examples, steps=args.steps,
+                      impl_options=parse_options(args.option), block_size=args.block_size)
+    entries = []
+    for i, mutant in enumerate(chosen):
+        print(f"[{i + 1}/{len(chosen)}] {mutant.name} ...", file=sys.stderr, flush=True)
+        entry = run_mutant(mutant, base, out / mutant.name)
+        entries.append(entry)
+        verdict = f"detected by {entry['check']} ({entry['kind']})" if entry["detected"] else "NOT DETECTED"
+        print(f"    {verdict} in {entry['seconds']:.1f}s", file=sys.stderr, flush=True)
+        write(out, args.impl, entries)  # after each mutant: an interrupted run keeps what finished
+    doc = write(out, args.impl, entries)
+    print(table(entries))
+    s = doc["summary"]
+    print(f"{s['detected']}/{s['mutants']} mutants detected; median {s['median_seconds_to_detection']} s, "
+          f"max {s['max_seconds_to_detection']} s to detection; longest repro {s['max_repro_steps']} operations; "
+          f"{out / 'mutants.json'}", file=sys.stderr)
+    return 0 if s["detected"] == s["mutants"] else 1
+
+
+def write(out: Path, impl: str, entries: list[dict]) -> dict:
+    doc = {"implementation": impl, "summary": summarize(entries), "mutants": entries}
+    tmp = out / "mutants.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(out / "mutants.json")
+    return doc

@@ -1,0 +1,58 @@
+"""``hybrid-conformance replay FILE``: re-execute a repro file.
+
+Exit codes: 1 the failure reproduces (the witness is printed), 0 it does not,
+2 the file is malformed or cannot run here (the message names the field)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from conformance.errors import ReproFormatError, UsageError
+from conformance.results.repro import load
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("replay", help="re-execute a repro file; exit 1 if the failure reproduces")
+    p.add_argument("file", type=Path, help="a repro file (repros/<check>[--<mutant>].json or a scenario)")
+    p.add_argument("--impl", default=None,
+                   help="implementation to replay against (default: the file's, if it is a named adapter); "
+                        "another implementation than the file's drops the file's mutant and faults")
+    p.add_argument("--mutant", default=None, metavar="NAME|none",
+                   help="apply this mutant instead of the file's; 'none' replays the clean implementation")
+    p.add_argument("--no-faults", action="store_true", help="do not inject the file's environment faults")
+    p.add_argument("--trust-impl", action="store_true",
+                   help="allow importing a module:Class named inside the file (runs that module's code)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds an implementation call may take")
+    p.add_argument("--quiet", action="store_true", help="print one line only")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    import torch
+
+    from conformance.suite.replay import replay, witness
+
+    torch.set_num_threads(1)  # tiny tensors: intra-op threads only add synchronization
+
+    try:
+        repro = load(args.file)
+        outcome = replay(repro, cli_impl=args.impl, cli_mutant=args.mutant, trust_impl=args.trust_impl,
+                         use_faults=not args.no_faults, timeout=args.timeout)
+    except ReproFormatError as exc:
+        raise UsageError(f"{args.file}: {exc}") from None
+    what = f"{outcome.impl}" + (f" + mutant {outcome.mutant}" if outcome.mutant else "") + \
+           (f" + faults {','.join(outcome.faults)}" if outcome.faults else "")
+    label = repro.title or repro.check or args.file.name
+    for note in outcome.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if outcome.reproduced:
+        print(f"REPRODUCED: {label} on {what}")
+        if not args.quiet:
+            print(witness(repro, outcome))
+            recorded = repro.failure.get("kind")
+            if recorded and recorded != outcome.kind:
+                print(f"\nnote: the file recorded a {recorded} failure; this replay failed with {outcome.kind}")
+        return 1
+    print(f"not reproduced: {label} on {what} ({outcome.applied} operations applied, no failure)")
+    return 0

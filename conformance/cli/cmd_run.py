@@ -1,0 +1,94 @@
+"""``hybrid-conformance run``: the conformance suite against one implementation."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from conformance.cli.common import Progress, add_impl_options, parse_options
+from conformance.errors import UsageError
+from conformance.suite.run import RunOptions, run
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="run the conformance checks against an implementation")
+    add_impl_options(p)
+    p.add_argument("--profile", default="quick", help="quick, standard or nightly (default quick)")
+    p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
+    p.add_argument("--mutant", default=None, help="apply one registered mutant to the implementation")
+    p.add_argument("--faults", default="", help="environment faults to inject, comma separated")
+    p.add_argument("--examples", type=int, default=None, help="Hypothesis examples per check (overrides profile)")
+    p.add_argument("--steps", type=int, default=None, help="operations per example (overrides profile)")
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="run only share I of N of the checks (1-based; for CI matrices)")
+    p.add_argument("--workers", type=int, default=1, help="run checks in N processes on this machine")
+    p.add_argument("--shrink", default="hypothesis", choices=("hypothesis", "ops", "none"),
+                   help="how a failure is minimized: Hypothesis's shrinker (thorough), by replaying subsets of "
+                        "its operations (seconds), or not at all")
+    p.add_argument("--expectations", default=None, metavar="TOML",
+                   help="exit by an expectations file (fixtures/expectations/<engine>-<version>.toml): "
+                        "1 only for unexpected failures or passes")
+    p.set_defaults(func=main)
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    i, sep, n = text.partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        shard = None
+    if not sep or shard is None or not 1 <= shard[0] <= shard[1]:
+        raise UsageError(f"--shard {text!r}: expected I/N with 1 <= I <= N, e.g. 2/4")
+    return shard
+
+
+def _terminate_as_interrupt(signum, frame):
+    # A CI runner cancels with SIGTERM: treat it like Ctrl-C so the run marks
+    # itself interrupted and keeps its reports (SIGKILL cannot be caught; the
+    # reports written after each check still hold).
+    raise KeyboardInterrupt
+
+
+def main(args) -> int:
+    if args.impl in ("vllm-engine",):
+        from conformance.cli.engine_run import run_engine
+
+        return run_engine(args)
+    opts = RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, report_dir=args.report_dir,
+                      checks=tuple(args.check), mutant=args.mutant,
+                      faults=tuple(f for f in args.faults.split(",") if f), timeout=args.timeout,
+                      examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
+                      block_size=args.block_size, progress=Progress(), shard=parse_shard(args.shard),
+                      shrink=args.shrink, workers=args.workers)
+    if args.workers < 1:
+        raise UsageError(f"--workers {args.workers}: must be at least 1")
+    if args.expectations:
+        from conformance.errors import CompareInputError
+        from conformance.results.compare import load_expectations
+
+        try:
+            load_expectations(args.expectations)  # a typo should fail now, not after the run
+        except CompareInputError as exc:
+            raise UsageError(str(exc)) from None
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    result = run(opts)
+    summary = result.to_dict()["summary"]
+    perf = (f" ({summary['hit_rate_failures']} of them hit-rate: reuse below the declared policy, logits right)"
+            if summary.get("hit_rate_failures") else "")
+    print(f"{result.implementation} {result.implementation_version}: {summary['passed']} passed, "
+          f"{summary['failed']} failed{perf}, {summary['error']} errors; reports in "
+          f"{result.metrics.get('report_dir')}", file=sys.stderr)
+    expectations = args.expectations
+    if expectations is None and result.implementation != "reference" and not args.mutant:
+        from conformance.results.compare import find_expectations
+
+        expectations = find_expectations(args.impl, result.implementation_version)
+    if expectations:
+        from conformance.results.compare import format_expectations
+
+        text, as_expected = format_expectations(result.to_dict(), expectations)
+        print(text, file=sys.stderr)
+        return 0 if as_expected and not result.interrupted else 1
+    return 0 if result.ok else 1

@@ -1,0 +1,60 @@
+"""Options and helpers shared by the subcommands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conformance.errors import UsageError
+
+
+def add_impl_options(p) -> None:
+    p.add_argument("--impl", default="reference", help="reference, vllm or module:Class (default: reference)")
+    p.add_argument("--seed", type=int, default=0, help="one seed reproduces the whole run (default 0)")
+    p.add_argument("--report-dir", type=Path, default=None, help="where to write reports (default reports/<run-id>/)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds an implementation call may take (default 30)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="implementation option, e.g. interval=8 (JSON values; repeatable)")
+    p.add_argument("--block-size", type=int, default=None, help="override the checks' block size")
+
+
+def parse_options(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--option {pair!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+class Progress:
+    """One line per check, rewritten in place on a terminal."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr  # looked up now: sys.stderr may be replaced (pytest capture)
+        self.tty = self.stream.isatty()
+
+    def __call__(self, event: str, **info) -> None:
+        if event == "check-start":
+            self._line(f"[{info['index'] + 1}/{info['total']}] {info['check']} ...")
+        elif event == "example" and self.tty:
+            self._line(f"    {info['check']}: {info['examples']} examples, {info['steps']} operations", end="\r")
+        elif event == "check-end":
+            r = info["result"]
+            cov = ", ".join(f"{k}={v}" for k, v in r.coverage.items() if v)
+            self._line(f"    {r.id}: {r.status.upper()} ({r.examples} examples, {r.steps} operations, "
+                       f"{r.seconds:.1f}s) {cov}")
+            if r.failure is not None:
+                self._line(f"      {r.failure.kind}: {r.failure.message[:300]}")
+                if r.failure.repro:
+                    self._line(f"      repro: {r.failure.repro} ({len(r.failure.steps)} operations)")
+
+    def _line(self, text: str, end: str = "\n") -> None:
+        if self.tty:
+            text = "\x1b[2K" + text
+        print(text, end=end, file=self.stream, flush=True)

@@ -1,1 +1,0 @@
-"""CLI subcommands, one module each: ``add_parser(subparsers)`` sets ``func``."""

@@ -1,0 +1,68 @@
+"""Every exception the harness raises, in one place, by who is at fault.
+
+- The implementation under test: :class:`ContractError` (it broke the contract),
+  :class:`ConformanceFailure` (a wrong result or a broken invariant, found by a
+  checker), :class:`ImplementationError` (it raised or hung).  These are findings:
+  they become a failed or errored check, never a crash of the harness.
+- The engine under test (engine level): :class:`EngineError`.
+- The environment, on purpose: :class:`TransferFailed` (a fault made a transfer fail).
+- The user: :class:`UsageError` and its kinds (exit code 2, one line).
+- The harness itself: :class:`HarnessError` (a checker crashed: never a pass).
+"""
+
+from __future__ import annotations
+
+
+class ContractError(Exception):
+    """An implementation broke the contract (bad ids, impossible ranges...).
+
+    Raised by the harness; it is a conformance failure, not a usage error.
+    """
+
+
+class ConformanceFailure(Exception):
+    """The implementation produced a wrong result or broke an invariant."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind  # logits | invariant | contract | raised | timeout | stall | hit-rate | ...
+
+
+class ImplementationError(Exception):
+    """The implementation raised or hung: a conformance finding (status error)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind  # "raised" | "timeout"
+
+
+class HarnessError(Exception):
+    """The harness itself failed (a checker crashed, a transport broke): the
+    check reports an error naming the harness, never a pass."""
+
+
+class EngineError(Exception):
+    """The engine failed a call: raised, crashed or hung.  A defect of the
+    engine under test, reported as a check result, never a harness crash."""
+
+    def __init__(self, kind: str, message: str, log_tail: str = ""):
+        super().__init__(message)
+        self.kind = kind  # raised | crashed | timeout | startup
+        self.message = message
+        self.log_tail = log_tail
+
+
+class TransferFailed(Exception):
+    """Raised by a transport fault hook: the transfer reports failure."""
+
+
+class UsageError(Exception):
+    """Bad input from the user (exit code 2)."""
+
+
+class CompareInputError(UsageError, ValueError):
+    """An input file of ``compare`` is missing or not what it should be."""
+
+
+class ReproFormatError(UsageError, ValueError):
+    """The file is not a valid repro; the message starts with the field path."""

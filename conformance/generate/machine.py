@@ -1,0 +1,331 @@
+"""The state machine: Hypothesis drives an implementation through prompts
+from shared-prefix bundles, multi-turn replays, chunked prefill, decode,
+aborts and memory pressure; the session's checkers judge every step.
+
+One exported class that takes the implementation under test in its
+constructor (as zarr's ``ZarrHierarchyStateMachine(store)`` does)::
+
+    from hypothesis.stateful import run_state_machine_as_test
+    from conformance.generate.machine import HybridCacheMachine
+
+    run_state_machine_as_test(lambda: HybridCacheMachine(MyCache))
+
+or, as a pytest test with the check's coverage enforced,
+:func:`conformance.testing.machine_test`.
+
+Rule groups are mixins (:class:`Prompts`, :class:`Steps`, :class:`Aborts`,
+:class:`Pressure`); a check's ``CheckSpec.rules`` enables the optional ones.
+Rules only turn Hypothesis draws into operations
+(:mod:`conformance.harness.ops`); the session applies them, so a failing
+example is recorded as its operation list: data that replays without
+Hypothesis.  Draws that depend on the configuration (block size, vocabulary)
+are made with ``st.data()`` inside the rule, so the class needs no
+configuration to be defined.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, Phase, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from conformance.contract import ImplConfig
+from conformance.errors import ConformanceFailure, ImplementationError
+from conformance.generate import strategies
+from conformance.generate.spec import CheckSpec, mixed
+from conformance.harness.ops import Abort, Drain, Op, Step, Submit, op_to_dict
+from conformance.harness.oracle import Oracle
+from conformance.harness.session import Session, make_session
+from conformance.judge import standard_checkers
+from conformance.judge.coverage import COUNTERS
+from conformance.model import ModelConfig, TinyHybrid
+
+
+@dataclass
+class Recorder:
+    """What the runs of one check produced: counts, coverage, the last failure."""
+
+    examples: int = 0
+    steps: int = 0
+    coverage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    failure: tuple | None = None  # (exception, ops as data, events)
+    on_example: Callable[[Recorder], None] | None = None  # progress callback
+    started: float = field(default_factory=time.perf_counter)
+    # When the first failing example appeared (before shrinking): detection cost.
+    first_failure: tuple[int, float] | None = None  # (examples run, seconds)
+
+
+@dataclass(frozen=True)
+class Conf:
+    """What the rules' strategies depend on: the check, the block size, the vocabulary."""
+
+    spec: CheckSpec
+    B: int
+    vocab: int
+    num_kv_blocks: int
+
+    @property
+    def max_len(self) -> int:
+        return self.spec.max_seq_blocks * self.B
+
+
+def configured_rule(precondition: Callable | None = None, first: bool = False,
+                    **arguments: Callable[[Conf], st.SearchStrategy]):
+    """A rule whose argument strategies depend on the configuration: each
+    ``arguments`` value maps a :class:`Conf` to a strategy.  The machine binds
+    them when it is built for a configuration, so Hypothesis sees plain rules
+    with concrete strategies (draws, shrinking and replay exactly as written).
+    ``first``: an ``@initialize`` rule (runs once, before the others)."""
+
+    def deco(fn):
+        fn._configured = (precondition, first, arguments)
+        return fn
+
+    return deco
+
+
+class _Base(RuleBasedStateMachine):
+    """Plumbing shared by the rule groups: the session, the operations applied.
+
+    ``HybridCacheMachine(impl_factory, spec, ...)`` returns an instance of a
+    subclass bound to the configuration (one per configuration, cached): the
+    rules' strategies need the block size and vocabulary, and Hypothesis reads
+    rules from the class."""
+
+    session: Session
+    conf: Conf | None = None  # set on the bound subclasses
+    _bound: dict = {}
+
+    def __new__(cls, impl_factory=None, spec: CheckSpec | None = None, *, model: TinyHybrid | None = None,
+                impl_config: ImplConfig | None = None, **_):
+        if cls.conf is not None:
+            return super().__new__(cls)
+        spec = spec or mixed()
+        impl_config = impl_config or spec.impl_config()
+        vocab = (model.config if model is not None else ModelConfig()).vocab_size
+        conf = Conf(spec, impl_config.block_size, vocab, impl_config.num_kv_blocks)
+        return super().__new__(cls.bound(conf))
+
+    @classmethod
+    def bound(cls, conf: Conf) -> type:
+        """The subclass of ``cls`` whose rules draw for ``conf``."""
+        key = (cls, repr(conf))  # a CheckSpec holds a dict: not hashable, but its repr is exact
+        if key not in _Base._bound:
+            attrs: dict = {"conf": conf}
+            for klass in reversed(cls.__mro__):
+                for name, fn in vars(klass).items():
+                    if hasattr(fn, "_configured"):
+                        pre, first, arguments = fn._configured
+                        decorate = initialize if first else rule
+                        bound = decorate(**{k: make(conf) for k, make in arguments.items()})(fn)
+                        attrs[name] = precondition(pre)(bound) if pre is not None else bound
+            sub = type(f"{cls.__name__}[{conf.spec.id}]", (cls,), attrs)
+            _Base._bound[key] = sub
+        return _Base._bound[key]
+
+    def __init__(self, impl_factory, spec: CheckSpec | None = None, *, model: TinyHybrid | None = None,
+                 oracle: Oracle | None = None, impl_config: ImplConfig | None = None,
+                 timeout: float | None = 30.0, recorder: Recorder | None = None,
+                 attach: Callable[[Session], None] | None = None):
+        super().__init__()
+        self.impl_factory = impl_factory
+        self.spec = spec or mixed()
+        self.model = model or TinyHybrid(ModelConfig())
+        self.oracle = oracle or Oracle(self.model)
+        self.impl_config = impl_config or self.spec.impl_config()
+        self.timeout = timeout
+        self.recorder = recorder or Recorder()
+        # Called with each new session: more checkers (metrics), environment faults.
+        self.attach = attach
+        self.B = self.impl_config.block_size
+        self.max_len = self.spec.max_seq_blocks * self.B
+        self.session = None  # type: ignore[assignment]
+        self.ops: list[Op] = []
+        self.next_id = 0
+        self.finished: list[str] = []
+        self.recorder.examples += 1
+
+    def enabled(self, rule_group: str) -> bool:
+        return rule_group in self.spec.rules
+
+    @configured_rule(first=True, bases=lambda c: strategies.shared_prefixes(c.vocab, c.B, c.spec.max_prompt_blocks))
+    def start(self, bases):
+        self.bases = bases
+        self.session = make_session(self.impl_factory, self.impl_config, self.model, self.oracle,
+                                    standard_checkers(self.spec.observe), timeout=self.timeout)
+        if self.attach is not None:
+            self.attach(self.session)
+
+    def apply(self, op: Op) -> None:
+        note(repr(op))
+        self.ops.append(op)
+        self.recorder.steps += 1
+        try:
+            self.session.apply(op)
+        except (ConformanceFailure, ImplementationError) as exc:
+            rec = self.recorder
+            rec.failure = (exc, [op_to_dict(o) for o in self.ops], self.session.history.tail(64))
+            if rec.first_failure is None:
+                rec.first_failure = (rec.examples, round(time.perf_counter() - rec.started, 3))
+            raise
+        self.finished = [rid for rid, t in self.session.tracks.items() if t.done and t.generated > 0]
+
+    def teardown(self):
+        if self.session is not None:
+            for k, v in self.session.coverage.items():
+                self.recorder.coverage[k] = self.recorder.coverage.get(k, 0) + v
+        if self.recorder.on_example:
+            self.recorder.on_example(self.recorder)
+
+    def fits(self, length: int, max_new: int) -> bool:
+        """Keep concurrency within the layout so a correct cache never stalls."""
+        B, cfg = self.B, self.impl_config
+        active = [self.session.tracks[r] for r in self.session.active()]
+        if len(active) >= self.spec.max_active or length + max_new > self.max_len:
+            return False
+        need = sum(-(-(t.prompt_len + t.max_new) // B) + 1 for t in active) + -(-(length + max_new) // B) + 1
+        return need <= cfg.num_kv_blocks and 2 * (len(active) + 1) <= cfg.num_state_slots
+
+    def new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def busy(self) -> bool:
+        return self.session is not None and bool(self.session.active())
+
+    @invariant()
+    def harness_bookkeeping_is_sane(self):
+        """The harness's own record never runs ahead of itself (a harness bug
+        here would make every other verdict meaningless)."""
+        if self.session is None:
+            return
+        for rid, t in self.session.tracks.items():
+            assert t.generated <= t.max_new, f"{rid}: generated {t.generated} of {t.max_new}"
+            assert t.computed is None or t.computed <= len(t.tokens), f"{rid}: computed past its tokens"
+
+
+def _suffix(lengths):
+    return dict(suffix_len=lambda c: st.sampled_from(lengths(c.B)),
+                suffix=lambda c: strategies.tokens(c.vocab, c.B + 1),
+                max_new=lambda c: st.integers(1, c.spec.max_new_tokens))
+
+
+class Prompts(_Base):
+    """New prompts: cut from the shared bases at block-relative lengths, shared
+    with any earlier request, or continuing a finished one (multi-turn)."""
+
+    def _submit(self, prompt, max_new, continues=None):
+        if self.fits(len(prompt), max_new):
+            self.apply(Submit(self.new_id(), prompt, max_new, continues=continues))
+
+    @configured_rule(base=lambda c: st.integers(0, 2),
+                     cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
+                     **_suffix(lambda B: [0, 0, 1, B - 1, B + 1]))
+    def submit(self, base, cut, suffix_len, suffix, max_new):
+        self._submit(self.bases[base][:cut] + suffix[:suffix_len], max_new)
+
+    @configured_rule(precondition=lambda self: self.enabled("continue") and self.finished,
+                     which=lambda c: st.integers(0, 7), **_suffix(lambda B: [1, 2, B - 1, B, B + 1]))
+    def continue_turn(self, which, suffix_len, suffix, max_new):
+        prev = self.finished[which % len(self.finished)]
+        self._submit(self.session.tracks[prev].tokens + suffix[:suffix_len], max_new, continues=prev)
+
+    @configured_rule(precondition=lambda self: self.session is not None and self.session.tracks,
+                     which=lambda c: st.integers(0, 7),
+                     cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
+                     **_suffix(lambda B: [1, 2, B - 1, B + 1]))
+    def share(self, which, cut, suffix_len, suffix, max_new):
+        """A prompt that shares a boundary-relative prefix with any earlier
+        request (finished, running or aborted): where snapshots get reused."""
+        rids = list(self.session.tracks)
+        self._submit(self.session.tracks[rids[which % len(rids)]].tokens[:cut] + suffix[:suffix_len], max_new)
+
+
+class Steps(_Base):
+    """Engine steps: one at a time under a token budget (chunked prefill,
+    decode interleaved), or draining everything."""
+
+    @configured_rule(precondition=lambda self: self.enabled("step") and self.busy(),
+                     budget=lambda c: strategies.budgets(c.B))
+    def step(self, budget):
+        self.apply(Step(budget))
+
+    @configured_rule(precondition=lambda self: self.busy(),
+                     budget=lambda c: strategies.budgets(c.B) if "step" in c.spec.rules else st.just(1024))
+    def drain(self, budget):
+        self.apply(Drain(budget))
+
+
+class Aborts(_Base):
+    """The client goes away."""
+
+    @configured_rule(precondition=lambda self: self.enabled("abort") and self.busy(),
+                     which=lambda c: st.integers(0, 7))
+    def abort(self, which):
+        active = self.session.active()
+        self.apply(Abort(active[which % len(active)]))
+
+
+def _junk(c: Conf) -> st.SearchStrategy:
+    # Junk long enough that one round turns over most of the pool: shorter
+    # prompts only take never-used blocks and never evict anything reused.
+    length = max(4 * c.B, min(c.max_len, c.num_kv_blocks // 3 * c.B) - 1)
+    return st.lists(strategies.tokens(c.vocab, length), min_size=2, max_size=3)
+
+
+class Pressure(_Base):
+    """Memory pressure: distinct long prompts, run to completion, so cached
+    entries must be evicted."""
+
+    @configured_rule(precondition=lambda self: self.enabled("pressure") and self.session is not None
+                     and not self.session.active(), junk=_junk)
+    def pressure(self, junk):
+        for prompt in junk:
+            self.apply(Submit(self.new_id(), prompt, 1))
+            self.apply(Drain(1024))
+
+
+class HybridCacheMachine(Prompts, Steps, Aborts, Pressure):
+    """Every rule group; ``spec.rules`` enables the optional ones.
+
+    ``HybridCacheMachine(impl_factory, spec, model=..., oracle=...,
+    impl_config=..., timeout=..., recorder=..., attach=...)``."""
+
+
+@contextmanager
+def stable_draws():
+    """Make one seed give the same examples in every process.
+
+    Hypothesis (6.13x and later) mixes constants collected from whatever local
+    modules happen to be imported into its draws, so the CLI, a --workers
+    process and a pytest session would explore differently from one seed.
+    While our checks run, it draws from no local constants at all."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:  # an older Hypothesis without the mechanism
+        yield
+        return
+    original = getattr(providers, "_get_local_constants", None)
+    if original is None:
+        yield
+        return
+    empty = Constants()
+    providers._get_local_constants = lambda: empty
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+
+
+def hypothesis_settings(examples: int, steps: int, database=None, shrink: bool = True) -> settings:
+    # shrink=False: the caller minimizes the failing operations itself (conformance.suite.minimize)
+    phases = tuple(Phase) if shrink else tuple(p for p in Phase if p is not Phase.shrink)
+    return settings(max_examples=examples, stateful_step_count=steps, deadline=None, database=database, phases=phases,
+                    derandomize=False, report_multiple_bugs=False, print_blob=False,
+                    suppress_health_check=list(HealthCheck))

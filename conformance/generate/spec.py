@@ -1,0 +1,49 @@
+"""What one check asks of the generator: the rules it enables, the pool
+sizes and lengths it draws, the options it builds the implementation with,
+and the coverage counters that must end above zero.  Plain data; the
+catalogue of checks lives in :mod:`conformance.suite.checks`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conformance.contract import ImplConfig
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    id: str
+    family: str
+    description: str
+    rules: frozenset[str]  # optional rules enabled besides submit and drain
+    required: tuple[str, ...]  # coverage counters that must be > 0
+    block_size: int = 4
+    num_kv_blocks: int = 64
+    num_state_slots: int = 24
+    max_prompt_blocks: int = 5
+    max_seq_blocks: int = 12
+    max_active: int = 3
+    max_new_tokens: int = 3
+    options: dict = field(default_factory=dict)
+    # Observers run after every step (conformance.judge.retention.OBSERVERS); a check
+    # with any is skipped for an implementation that declares no retention().
+    observe: tuple[str, ...] = ()
+    # Runs with the implementation's second tier on (its ``tier_option``); a
+    # check with it is skipped for an implementation that has none.
+    tier: bool = False
+
+    def impl_config(self, **overrides) -> ImplConfig:
+        base = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
+                "num_state_slots": self.num_state_slots, "options": dict(self.options)}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return ImplConfig(**base)
+
+
+# The optional rule groups of the machine (submitting and draining are always on).
+EVERY_RULE = frozenset({"continue", "step", "abort", "pressure"})
+
+
+def mixed() -> CheckSpec:
+    """Every rule at once, in a pool small enough to evict."""
+    return CheckSpec("mixed", "mixed", "every rule at once", EVERY_RULE, ("prefix_hits",),
+                     num_kv_blocks=40, num_state_slots=14)

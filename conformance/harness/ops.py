@@ -1,0 +1,86 @@
+"""Operations: the vocabulary of histories and repro files.
+
+A generator (the Hypothesis machine, a scenario file, a workload) produces
+operations; a :class:`~conformance.harness.session.Session` applies them.  Each is a
+plain dataclass with a JSON form, so a minimized failure is data that replays
+anywhere without executing code from the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Add a request.  ``continues`` names the request whose whole sequence
+    this prompt replays (a multi-turn continuation), for coverage only."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int = 1
+    continues: str | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step with a token budget."""
+
+    budget: int
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Steps with ``budget`` until no request is active."""
+
+    budget: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+Op = Submit | Step | Drain | Abort
+OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort}
+_NAMES = {cls: name for name, cls in OP_TYPES.items()}
+
+
+def op_to_dict(op: Op) -> dict:
+    d = {"op": _NAMES[type(op)], **asdict(op)}
+    if "prompt" in d:
+        d["prompt"] = list(d["prompt"])
+    return d
+
+
+def op_from_dict(d: dict) -> Op:
+    """Parse one operation; raises ValueError naming the bad field."""
+    if not isinstance(d, dict):
+        raise ValueError(f"operation must be an object, got {type(d).__name__}")
+    name = d.get("op")
+    if name not in OP_TYPES:
+        raise ValueError(f"op: unknown operation {name!r} (expected one of {sorted(OP_TYPES)})")
+    cls = OP_TYPES[name]
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in d.items():
+        if key == "op":
+            continue
+        if key not in known:
+            raise ValueError(f"{name}.{key}: unknown field")
+        kwargs[key] = value
+    if "prompt" in kwargs:
+        p = kwargs["prompt"]
+        if not isinstance(p, list) or not p or not all(isinstance(t, int) and t >= 0 for t in p):
+            raise ValueError(f"{name}.prompt: must be a non-empty list of token ids")
+        kwargs["prompt"] = tuple(p)
+    for key in ("budget", "max_new_tokens"):
+        if key in kwargs and (not isinstance(kwargs[key], int) or kwargs[key] < 1):
+            raise ValueError(f"{name}.{key}: must be a positive integer")
+    for key in ("request_id",):
+        if key in kwargs and not isinstance(kwargs[key], str):
+            raise ValueError(f"{name}.{key}: must be a string")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{name}: {exc}") from None

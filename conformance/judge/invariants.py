@@ -1,0 +1,94 @@
+"""Structural invariants: the implementation's stated bookkeeping against
+what the harness's memory really holds."""
+
+from __future__ import annotations
+
+from conformance.contract import CacheView, StepPlan
+from conformance.errors import ConformanceFailure
+from conformance.harness.checker import Checker
+from conformance.harness.memory import Memory
+
+
+def check_view(view: CacheView, memory: Memory, idle: bool) -> list[str]:
+    """Violations, as sentences.  ``idle``: no request is active."""
+    problems = []
+    lay = memory.layout
+    B = lay.block_size
+    for name, counts, limit in (("KV block", view.kv_refcounts, lay.num_kv_blocks),
+                                ("state slot", view.state_refcounts, lay.num_state_slots)):
+        for ident, n in counts.items():
+            if not 0 <= ident < limit:
+                problems.append(f"{name} {ident} is outside the layout (capacity {limit})")
+            if n < 0:
+                problems.append(f"{name} {ident} has refcount {n}")
+            if idle and n > 0:
+                problems.append(f"{name} {ident} leaked: refcount {n} with no request active")
+    for entry in view.cached_kv:
+        first = (len(entry.tokens) - 1) // B * B
+        for pos in range(first, len(entry.tokens)):
+            held = memory.kv_prov[entry.block][pos % B] if 0 <= entry.block < lay.num_kv_blocks else None
+            if held != entry.tokens[: pos + 1]:
+                problems.append(f"KV block {entry.block} is cached for a {len(entry.tokens)}-token prefix but "
+                                f"position {pos} holds {_what(held, entry.tokens[: pos + 1])}")
+                break
+    for entry in view.cached_states:
+        if not 0 <= entry.slot < lay.num_state_slots:
+            problems.append(f"cached state slot {entry.slot} is outside the layout")
+            continue
+        conv, ssm = memory.state_holds(entry.slot)
+        for part, held in (("conv", conv), ("matrix", ssm)):
+            if held != entry.tokens:
+                problems.append(f"state slot {entry.slot} is registered as the state after {len(entry.tokens)} "
+                                f"tokens but its {part} state is {_what(held, entry.tokens)}")
+    return problems
+
+
+def check_tables_referenced(view: CacheView, plan: StepPlan, block_size: int) -> list[str]:
+    """Every block a scheduled request reads or writes must be held (refcount >= 1)."""
+    if not view.kv_refcounts:
+        return []
+    problems = []
+    for rs in plan.requests:
+        for b in rs.block_table[: -(-rs.end // block_size)]:
+            if view.kv_refcounts.get(b, 0) < 1:
+                problems.append(f"request {rs.request_id} uses KV block {b}, which has refcount "
+                                f"{view.kv_refcounts.get(b, 0)} (free or evictable while in use)")
+    return problems
+
+
+def _what(held, wanted) -> str:
+    if held is None:
+        return "never-written memory"
+    if wanted[: len(held)] == held:
+        return f"the state after {len(held)} tokens of the same sequence"
+    if held[: len(wanted)] == wanted:
+        return f"the state after {len(held)} tokens (written after the prefix ended)"
+    return f"content of another {len(held)}-token sequence"
+
+
+def fail_if(kind: str, problems: list[str]) -> None:
+    """Raise one failure naming the first problems (and how many more)."""
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConformanceFailure(kind, "; ".join(problems[:3]) + more)
+
+
+class TablesReferenced(Checker):
+    """Every block a scheduled request uses is held (refcount >= 1) in the view
+    the implementation gives right after scheduling."""
+
+    name = "tables-referenced"
+
+    def scheduled(self, session, plan, view):
+        if view is not None:
+            fail_if("invariant", check_tables_referenced(view, plan, session.layout.block_size))
+
+
+class ViewMatchesMemory(Checker):
+    """After every step and abort: what the view registers as cached is what
+    memory holds, refcounts are sane, nothing is held once all is idle."""
+
+    name = "view-matches-memory"
+
+    def settled(self, session, view, idle):
+        fail_if("invariant", check_view(view, session.memory, idle=idle))

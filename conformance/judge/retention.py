@@ -1,0 +1,230 @@
+"""Checks of a declared retention policy, run after every step of a session.
+
+An implementation may declare its policy with an optional ``retention()``
+method (see ``contract.OPTIONAL_METHODS``)::
+
+    {"interval": None | I, "admission": "always" | "second-hit",
+     "prompt_ends": True | "tail", "sequence_ends": bool,
+     "hash_unit": u, "junctions": None | J, "interval_at": "anywhere" | "chunk-ends"}
+
+From it the harness derives, per request, the *checkpoints*: the prompt end,
+every multiple of I that is computed (of the block size when I is None; none
+when I = 0) and, with ``sequence_ends``, the last computed position of a
+request that finished.  Three rules describe engines that publish a state
+only where a step ends (vLLM's Mamba "align" mode): ``prompt_ends = "tail"``
+puts the prompt's checkpoint at its *tail*, the last multiple t of
+``hash_unit`` before the last prompt token, and at the block boundary at or
+before t (where the chunk before the tail ends); ``junctions = J`` adds
+Marconi's shared-prefix junction: a new request whose prompt the cached KV
+covers further than the hit it starts from has a checkpoint where that KV
+coverage ends, rounded down to a multiple of J; and ``interval_at =
+"chunk-ends"`` keeps a multiple of I (or of the block size) only where a step
+ends on it (the default, ``"anywhere"``, keeps every multiple computed).
+A state that a load from a second tier brought in whole is admissible too.
+
+A *sighting* is one request computing through a checkpoint (not reusing it),
+once per request and position; under second-hit a prefix that some request
+offered is a checkpoint for every later request that computes through it
+(that is how a shared prefix gets its second sighting when it is not one of
+the later request's own checkpoints).
+
+Two families, reported apart because they are different kinds of bug:
+
+- ``retention`` (a policy violation): a state cached at a position the policy
+  never checkpoints (with I = 0 only prompt and sequence ends), or, under
+  second-hit admission, a prefix admitted on its first sighting.
+- ``hit-rate`` (a performance bug, logits stay right): a checkpoint the policy
+  admits (always, or from the second sighting on) that is not cached right
+  after the step that reached it, or a new request that reused less than the
+  longest prefix whose KV and state the cache held when it was scheduled.
+"""
+
+from __future__ import annotations
+
+from conformance.contract import CacheView
+from conformance.errors import ConformanceFailure
+from conformance.harness.checker import Checker
+from conformance.judge.reuse import INDEXES, LookupWindow, ViewIndex
+
+FAMILIES = ("retention", "hit-rate")
+
+
+def declared_retention(session) -> dict | None:
+    """The implementation's declared policy, validated; None if it declares none."""
+    if not callable(getattr(session.impl, "retention", None)):
+        return None
+    decl = session.call("retention")
+    if decl is None:
+        return None
+    if not isinstance(decl, dict):
+        raise ConformanceFailure("contract", f"retention() returned {type(decl).__name__}, not a dict")
+    interval = decl.get("interval")
+    admission = decl.get("admission", "always")
+    if interval is not None and (not isinstance(interval, int) or interval < 0):
+        raise ConformanceFailure("contract", f"retention(): interval must be None or an integer >= 0, got {interval!r}")
+    if admission not in ("always", "second-hit"):
+        raise ConformanceFailure("contract", f"retention(): unknown admission {admission!r}")
+    prompt_ends = decl.get("prompt_ends", True)
+    if prompt_ends not in (True, False, "tail"):
+        raise ConformanceFailure("contract", f"retention(): prompt_ends must be true, false or \"tail\", "
+                                             f"got {prompt_ends!r}")
+    units = {k: decl.get(k) for k in ("hash_unit", "junctions")}
+    for key, unit in units.items():
+        if unit is not None and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
+            raise ConformanceFailure("contract", f"retention(): {key} must be an integer >= 1, got {unit!r}")
+    interval_at = decl.get("interval_at", "anywhere")
+    if interval_at not in ("anywhere", "chunk-ends"):
+        raise ConformanceFailure("contract", f"retention(): interval_at must be \"anywhere\" or \"chunk-ends\", "
+                                             f"got {interval_at!r}")
+    return {"interval": interval, "admission": admission, "prompt_ends": prompt_ends,
+            "sequence_ends": bool(decl.get("sequence_ends", False)), "hash_unit": units["hash_unit"] or 1,
+            "junctions": units["junctions"], "interval_at": interval_at}
+
+
+class RetentionChecker(Checker):
+    """Raises the failures of one family (``report``): ``retention`` (a state
+    cached where the declared policy never keeps one) or ``hit-rate`` (less
+    cached or reused than the policy promises)."""
+
+    def __init__(self, report: str):
+        if report not in FAMILIES:
+            raise ValueError(f"unknown retention check {report!r}")
+        self.name = report
+        self.report = report
+        self.decl: dict | None = None  # read from the implementation when attached
+        self.B = 0
+        self.sightings: dict[tuple[int, ...], int] = {}
+        self.admissible: set[tuple[int, ...]] = set()  # prefixes the policy allowed to be cached
+        self.offered: dict[str, set[int]] = {}  # request -> positions it offered
+        self.window = LookupWindow()
+        self.recorded: dict[tuple[int, ...], int] = {}  # prefix -> step in which it was first offered
+        self.step_no = 0
+        self.junctions: dict[str, int] = {}  # request -> its shared-prefix junction (0: none)
+
+    # -- the declared checkpoints ---------------------------------------------------
+    def checkpoints(self, start: int, end: int, prompt_len: int) -> list[int]:
+        interval = self.decl["interval"]
+        step = self.B if interval is None else interval
+        if self.decl["prompt_ends"] == "tail":
+            tail = (prompt_len - 1) // self.decl["hash_unit"] * self.decl["hash_unit"]
+            ends = {tail, tail // self.B * self.B}
+        else:
+            ends = {prompt_len} if self.decl["prompt_ends"] else set()
+        out = {q for q in ends if start < q <= end}
+        if step > 0 and self.decl["interval_at"] == "chunk-ends":
+            out.update({end} if end % step == 0 else set())
+        elif step > 0:
+            out.update(range((start // step + 1) * step, end + 1, step))
+        return sorted(q for q in out if q > 0)
+
+    # -- checker --------------------------------------------------------------------
+    def load(self, session) -> None:
+        """Read (and validate) the implementation's declared policy."""
+        self.decl = declared_retention(session)
+        self.B = session.layout.block_size
+
+    def attached(self, session) -> None:
+        self.load(session)
+
+    def stepped(self, session, record) -> None:
+        if self.decl is None:
+            return
+        plan, view_before, finished = record.plan, record.view_before, record.finished
+        now = INDEXES.get(session.last_view, self.B)
+        if self.report == "hit-rate":
+            self._check_lookups(session, plan, view_before)
+        offered: list[tuple[str, int, tuple[int, ...]]] = []
+        self.step_no += 1
+        for rs in plan.requests:
+            track = session.tracks[rs.request_id]
+            qs = self.checkpoints(rs.start, rs.end, track.prompt_len)
+            if self.decl["junctions"]:
+                qs += self._junction(session, view_before, track, rs)
+            if self.decl["admission"] == "second-hit":
+                qs += self._sighted(track.tokens, rs.start, rs.end)
+            if rs.request_id in finished and self.decl["sequence_ends"]:
+                qs.append(track.computed)
+            mine = self.offered.setdefault(rs.request_id, set())
+            for q in qs:
+                if q not in mine:
+                    mine.add(q)
+                    prefix = track.tokens[:q]
+                    self.sightings[prefix] = self.sightings.get(prefix, 0) + 1
+                    self.recorded.setdefault(prefix, self.step_no)
+                    offered.append((rs.request_id, q, prefix))
+        cov = session.coverage
+        for rid, q, prefix in offered:
+            n = self.sightings[prefix]  # after the whole step: two requests may sight it together
+            cov["checkpoints_offered"] = cov.get("checkpoints_offered", 0) + 1
+            admit = self.decl["admission"] == "always" or n >= 2
+            key = "first_sightings" if n == 1 else "repeat_sightings"
+            cov[key] = cov.get(key, 0) + 1
+            if admit:
+                # the situation the admission rule is about: a checkpoint it
+                # lets in (under second-hit, exactly the repeat sightings)
+                cov["admissions"] = cov.get("admissions", 0) + 1
+                self.admissible.add(prefix)
+            if not admit and prefix in now.states:
+                self._fail("retention", f"request {rid}: the state after {q} tokens was admitted on its first "
+                                        f"sighting, but the declared admission is second-hit")
+            if admit and prefix not in now.states:
+                why = "reached" if self.decl["admission"] == "always" else f"sighted {n} times"
+                self._fail("hit-rate", f"request {rid}: checkpoint at position {q} ({why}) is not cached after "
+                                       f"the step, though the declared policy {self._policy()} keeps it")
+        # A state loaded from the second tier may be cached: the tier kept it
+        # (the harness's own record of what loads brought in, not the view).
+        loaded = session.runner.transport.loaded_states
+        before = INDEXES.get(view_before, self.B)
+        for prefix in now.states - before.states:
+            if prefix not in self.admissible and prefix not in loaded:
+                self._fail("retention", f"a state after {len(prefix)} tokens was cached, a position the declared "
+                                        f"policy {self._policy()} never checkpoints (or has not admitted yet)")
+
+    def _junction(self, session, view_before, track, rs) -> list[int]:
+        """The request's junction: where the KV that other requests had cached
+        when it was first scheduled (``plan_view``: an engine may register a
+        request's blocks as it schedules them, so a request arriving in the
+        same step counts) stops covering its prompt, rounded down to the
+        junction unit; a checkpoint when a step reaches it past the hit."""
+        rid = rs.request_id
+        if track.steps == 1:
+            # its own blocks: those past the hit that no one had cached before
+            before = {e.block for e in view_before.cached_kv} if view_before is not None else set()
+            own = set(rs.block_table[rs.start // self.B:]) - before
+            others = CacheView(cached_kv=tuple(e for e in session.plan_view.cached_kv if e.block not in own))
+            covered = ViewIndex.of(others, self.B).kv_servable(track.tokens[: track.prompt_len])
+            unit = self.decl["junctions"]
+            self.junctions[rid] = covered // unit * unit if covered > rs.start else 0
+        q = self.junctions.get(rid, 0)
+        return [q] if rs.start < q <= rs.end else []
+
+    def _sighted(self, tokens, start: int, end: int) -> list[int]:
+        """Under second-hit, a prefix some request offered is a checkpoint for
+        every request computing through it: one offered before this step
+        anywhere in the chunk, or earlier in this step at the chunk's end."""
+        out = []
+        for q in range(start + 1, end + 1):
+            at = self.recorded.get(tokens[:q])
+            if at is not None and (at < self.step_no or q == end):
+                out.append(q)
+        return out
+
+    def _check_lookups(self, session, plan, view_before) -> None:
+        """A new request reuses the longest prefix whose KV and state the cache
+        held at every schedule() since it was submitted (see LookupWindow)."""
+        # (an implementation that lists no KV in its view is never held to a
+        # reuse: without KV, nothing is servable)
+        for rid, (_kv, best) in self.window.observe(session, plan, view_before).items():
+            rs = next(r for r in plan.requests if r.request_id == rid)
+            session.coverage["state_lookups"] = session.coverage.get("state_lookups", 0) + 1
+            if rs.start < best:
+                self._fail("hit-rate", f"request {rid} reused {rs.start} tokens, but the cache held the KV and the "
+                                       f"state of its first {best} tokens at every schedule() since it was submitted")
+
+    def _policy(self) -> str:
+        i = self.decl["interval"]
+        return f"(interval={'block' if i is None else i}, admission={self.decl['admission']})"
+
+    def _fail(self, kind: str, message: str) -> None:
+        if kind == self.report:
+            raise ConformanceFailure(kind, message)

@@ -1,0 +1,142 @@
+"""What a cache view could serve to a prompt: the longest prefix its KV covers
+and the longest prefix it could reuse whole (KV and recurrent state).
+
+The metrics and the hit-rate check both ask this of the implementation's own
+view; memory already proved the view honest (``invariants.check_view``), so
+what the view lists is really there.
+"""
+
+from __future__ import annotations
+
+from conformance.contract import CacheView
+
+Prefix = tuple[int, ...]
+
+
+class ViewIndex:
+    """A view's cached content, indexed for prefix questions (built on first
+    use: most views are never asked)."""
+
+    def __init__(self, view: CacheView | None, block_size: int):
+        self.view = view
+        self.block_size = block_size
+        self._kv: dict[int, set[Prefix]] | None = None  # block index -> prefixes through its last valid position
+        self._states: set[Prefix] | None = None
+
+    @classmethod
+    def of(cls, view: CacheView | None, block_size: int) -> ViewIndex:
+        return cls(view, block_size)
+
+    @property
+    def kv_by_block(self) -> dict[int, set[Prefix]]:
+        if self._kv is None:
+            self._kv = {}
+            for e in self.view.cached_kv if self.view is not None else ():
+                if e.tokens:
+                    self._kv.setdefault((len(e.tokens) - 1) // self.block_size, set()).add(e.tokens)
+        return self._kv
+
+    @property
+    def states(self) -> set[Prefix]:
+        if self._states is None:
+            self._states = {e.tokens for e in self.view.cached_states} if self.view is not None else set()
+        return self._states
+
+    def kv_servable(self, prompt: Prefix) -> int:
+        """Longest prefix of ``prompt`` (leaving one token to compute) whose KV is cached."""
+        B, cap, n, i = self.block_size, len(prompt) - 1, 0, 0
+        while n < cap:
+            entries = self.kv_by_block.get(i)
+            if not entries:
+                break
+            full = prompt[: (i + 1) * B]
+            if len(full) == (i + 1) * B and full in entries:
+                n, i = (i + 1) * B, i + 1
+                continue
+            best = 0  # a block whose content agrees with the prompt only partly, or a partly filled one
+            for e in entries:
+                if e[: i * B] != prompt[: i * B]:
+                    continue
+                k = i * B
+                while k < len(e) and k < len(prompt) and e[k] == prompt[k]:
+                    k += 1
+                best = max(best, k)
+            n = max(n, best)
+            break
+        return min(n, max(cap, 0))
+
+    def best_reuse(self, prompt: Prefix, kv_len: int | None = None, also: ViewIndex | None = None) -> int:
+        """Longest p <= the KV hit with a cached state after ``prompt[:p]``
+        (in ``also`` too, when given)."""
+        top = self.kv_servable(prompt) if kv_len is None else kv_len
+        for p in range(top, 0, -1):
+            if prompt[:p] in self.states and (also is None or prompt[:p] in also.states):
+                return p
+        return 0
+
+
+class IndexCache:
+    """Views are immutable snapshots: index each once, however many observers
+    ask (the retention check and the metrics read the same views)."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._entries: list[tuple[object, int, ViewIndex]] = []  # (view held alive, block size, index)
+
+    def get(self, view: CacheView | None, block_size: int) -> ViewIndex:
+        for v, b, index in self._entries:
+            if v is view and b == block_size:
+                return index
+        index = ViewIndex.of(view, block_size)
+        self._entries = [(view, block_size, index)] + self._entries[: self.keep - 1]
+        return index
+
+
+INDEXES = IndexCache()
+
+
+class LookupWindow:
+    """What the cache could have served each new request when it was matched.
+
+    An implementation matches a request at some schedule() between its
+    submission and its first computed step (the reference admits ahead of
+    computing), and registrations made after that cannot be held against it.
+    So the harness keeps, per waiting request, the *least* it could have been
+    served over every schedule() of that window."""
+
+    def __init__(self):
+        self.floor: dict[str, tuple[int, int]] = {}  # request -> (KV servable, reusable with a state)
+        self.pending: set[str] = set()  # submitted, not started
+        self.known = 0  # tracks seen so far
+        self._session = None
+
+    def observe(self, session, plan, view_before) -> dict[str, tuple[int, int]]:
+        """Update the window after a step; return the floors of the requests
+        whose first step this plan was."""
+        if session is not self._session:  # one metrics object follows every session of a check
+            self._session, self.floor, self.pending, self.known = session, {}, set(), 0
+        tracks = session.tracks
+        if len(tracks) > self.known:  # tracks only grow, in submission order: take the new ones
+            keys = reversed(tracks)
+            self.pending.update(next(keys) for _ in range(len(tracks) - self.known))
+            self.known = len(tracks)
+        started = {rs.request_id for rs in plan.requests if tracks[rs.request_id].steps == 1}
+        for rid in [r for r in self.pending if r not in started and (tracks[r].steps or tracks[r].done)]:
+            self.pending.discard(rid)  # aborted before it started (a started one is handled below)
+            self.floor.pop(rid, None)
+        if not self.pending:
+            return {}
+        B = session.layout.block_size
+        # what the cache held for a lookup: before schedule() and still after it
+        before, after = INDEXES.get(view_before, B), INDEXES.get(session.plan_view, B)
+        out = {}
+        for rid in self.pending:
+            prompt = tracks[rid].tokens[: tracks[rid].prompt_len]
+            kv = min(before.kv_servable(prompt), after.kv_servable(prompt))
+            now = (kv, before.best_reuse(prompt, kv, also=after))
+            old = self.floor.get(rid, now)
+            self.floor[rid] = (min(old[0], now[0]), min(old[1], now[1]))
+            if rid in started:
+                out[rid] = self.floor.pop(rid)
+        self.pending -= started
+        return out

@@ -1,0 +1,181 @@
+"""index.html: the human view of one run or of several (a comparison).
+
+Rendered from results.json dicts only, so any set of result files (shards,
+engine versions, mutants) gives a matrix.  Self-contained: inline CSS, plots
+embedded as base64, no script and no network, so it opens from a CI artifact
+zip as it is."""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import json
+import os
+from pathlib import Path
+
+from conformance.results.files import atomic_write
+
+_ORDER = {"error": 0, "failed": 1, "passed": 2, "skipped": 3, None: 4}
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1d2430;background:#fff}
+h1{font-size:22px;margin:0 0 4px}
+h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #dde2ea;padding-bottom:4px}
+.meta{color:#5a6474;margin-bottom:12px}
+table{border-collapse:collapse;margin:6px 0 12px}
+th,td{border:1px solid #d5dbe4;padding:5px 9px;text-align:left;vertical-align:top}
+th{background:#f2f5f9;font-weight:600} td.num{text-align:right;font-variant-numeric:tabular-nums}
+td.passed{background:#d9f2df;color:#10561f} td.failed{background:#fbd9d7;color:#8a1710;font-weight:600}
+td.error{background:#fde6c8;color:#7a4300;font-weight:600} td.skipped{background:#eceff3;color:#5a6474}
+td.none{background:#fafbfc;color:#a0a8b4}
+td.zero{color:#b0463c} .badge{display:inline-block;padding:1px 7px;border-radius:9px;font-size:12px}
+.ok{background:#d9f2df;color:#10561f} .bad{background:#fbd9d7;color:#8a1710} .warn{background:#fde6c8;color:#7a4300}
+code,pre{font:12.5px/1.4 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+pre{background:#f5f7fa;border:1px solid #e1e6ed;padding:8px;overflow-x:auto;white-space:pre-wrap}
+.failure{border-left:4px solid #d2443a;padding:4px 12px;margin:12px 0}
+img{max-width:100%;border:1px solid #e1e6ed;margin:6px 0}
+.scroll{overflow-x:auto}
+"""
+
+
+def run_label(r: dict) -> str:
+    label = f"{r.get('implementation', '?')} {r.get('implementation_version', '')}".strip()
+    if r.get("mutant"):
+        label += f" + {r['mutant']}"
+    if r.get("fault_names"):
+        label += f" + faults {','.join(r['fault_names'])}"
+    return label
+
+
+def _families(results: list[dict]) -> list[str]:
+    seen: list[str] = []
+    for r in results:
+        for c in r.get("checks", []):
+            if c.get("family") not in seen:
+                seen.append(c.get("family"))
+    return seen
+
+
+def _cell(checks: list[dict]) -> tuple[str, str]:
+    """Worst status of a family's checks (one failing check fails the family)."""
+    if not checks:
+        return "none", "not run"
+    worst = min((c["status"] for c in checks), key=lambda s: _ORDER.get(s, 4))
+    title = "; ".join(f"{c['id']}: {c['status']}" for c in checks)
+    return worst, title
+
+
+def _rel(path: str, base: Path | None) -> str:
+    if base is None:
+        return path
+    try:
+        return os.path.relpath(Path(path).resolve(), base.resolve())
+    except ValueError:  # another drive on Windows
+        return path
+
+
+def render(results: list[dict], base: Path | None = None, title: str = "hybrid-cache-conformance") -> str:
+    e = html.escape
+    families = _families(results)
+    out = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+           f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
+           f"<h1>{e(title)}</h1>",
+           f"<div class='meta'>{len(results)} run{'s' if len(results) != 1 else ''}; generated "
+           f"{_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}</div>"]
+
+    # -- the matrix: one row per run, one column per family ----------------------------
+    out.append("<h2>Matrix</h2><table id='matrix'><thead><tr><th>implementation</th>")
+    out += [f"<th>{e(str(f))}</th>" for f in families]
+    out.append("<th>passed</th><th>failed</th><th>errors</th><th>run</th></tr></thead><tbody>")
+    for r in results:
+        s = r.get("summary") or {}
+        state = "interrupted" if r.get("interrupted") else ("running" if not r.get("finished") else "complete")
+        badge = {"complete": "ok", "interrupted": "warn", "running": "warn"}[state]
+        out.append(f"<tr><th>{e(run_label(r))}</th>")
+        for f in families:
+            status, tip = _cell([c for c in r.get("checks", []) if c.get("family") == f])
+            out.append(f"<td class='{status}' title='{e(tip)}'>{e(status)}</td>")
+        out.append(f"<td class='num'>{s.get('passed', 0)}</td><td class='num'>{s.get('failed', 0)}</td>"
+                   f"<td class='num'>{s.get('error', 0)}</td>"
+                   f"<td><span class='badge {badge}'>{state}</span> seed {e(str(r.get('seed', '')))}, "
+                   f"{e(str(r.get('profile', '')))}</td></tr>")
+    out.append("</tbody></table>")
+
+    # -- coverage: how often each situation occurred ------------------------------------
+    counters: list[str] = []
+    for r in results:
+        counters += [k for k in (r.get("coverage") or {}) if k not in counters]
+    if counters:
+        out.append("<h2>Coverage</h2><p class='meta'>Times each situation occurred over all examples; "
+                   "a 0 means the run could not have caught bugs that need it.</p>")
+        out.append("<div class='scroll'><table id='coverage'><thead><tr><th>implementation</th>")
+        out += [f"<th>{e(k)}</th>" for k in counters]
+        out.append("</tr></thead><tbody>")
+        for r in results:
+            cov = r.get("coverage") or {}
+            out.append(f"<tr><th>{e(run_label(r))}</th>")
+            out += [f"<td class='num{' zero' if not cov.get(k) else ''}'>{int(cov.get(k, 0))}</td>" for k in counters]
+            out.append("</tr>")
+        out.append("</tbody></table></div>")
+
+    # -- every check -------------------------------------------------------------------
+    out.append("<h2>Checks</h2><table id='checks'><thead><tr><th>implementation</th><th>check</th><th>family</th>"
+               "<th>status</th><th>examples</th><th>operations</th><th>seconds</th><th>first failure after</th>"
+               "</tr></thead><tbody>")
+    for r in results:
+        for c in r.get("checks", []):
+            f = c.get("failure") or {}
+            first = (f"{f.get('examples_to_failure')} examples, {f.get('seconds_to_failure')} s"
+                     if f.get("examples_to_failure") is not None else "")
+            out.append(f"<tr><td>{e(run_label(r))}</td><td title='{e(c.get('description', ''))}'>{e(c['id'])}</td>"
+                       f"<td>{e(str(c.get('family', '')))}</td><td class='{e(c['status'])}'>{e(c['status'])}</td>"
+                       f"<td class='num'>{c.get('examples', 0)}</td><td class='num'>{c.get('steps', 0)}</td>"
+                       f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td></tr>")
+    out.append("</tbody></table>")
+
+    # -- failures, with their repro files and the command that replays them -------------
+    failures = [(r, c) for r in results for c in r.get("checks", []) if c["status"] in ("failed", "error")]
+    out.append(f"<h2>Failures ({len(failures)})</h2>")
+    if not failures:
+        out.append("<p><span class='badge ok'>none</span></p>")
+    for r, c in failures:
+        f = c.get("failure") or {}
+        out.append(f"<div class='failure' id='failure-{e(c['id'])}'><h3>{e(c['id'])} "
+                   f"<span class='badge bad'>{e(str(f.get('kind', c['status'])))}</span> "
+                   f"<small>{e(run_label(r))}</small></h3><pre>{e(str(f.get('message', '')))}</pre>")
+        if f.get("repro"):
+            rel = _rel(f["repro"], base)
+            out.append(f"<p>repro: <a href='{e(rel)}'><code>{e(rel)}</code></a><br>replay: "
+                       f"<code>hybrid-conformance replay {e(f['repro'])}</code></p>")
+        steps = f.get("steps") or []
+        if steps:
+            body = "\n".join(f"{i + 1:>3}. {json.dumps(s)}" for i, s in enumerate(steps))
+            out.append(f"<details><summary>minimized sequence ({len(steps)} operations)</summary>"
+                       f"<pre>{e(body)}</pre></details>")
+        out.append("</div>")
+
+    # -- faults and plots --------------------------------------------------------------
+    faults = [(r, name, info) for r in results for name, info in (r.get("faults") or {}).items()]
+    if faults:
+        out.append("<h2>Faults</h2><table><tr><th>implementation</th><th>fault</th><th>report</th></tr>")
+        out += [f"<tr><td>{e(run_label(r))}</td><td>{e(name)}</td><td><code>{e(json.dumps(info))}</code></td></tr>"
+                for r, name, info in faults]
+        out.append("</table>")
+    plots = sorted(base.glob("*.png")) if base is not None and base.is_dir() else []
+    if plots:
+        out.append("<h2>Plots</h2>")
+        for p in plots:
+            data = base64.b64encode(p.read_bytes()).decode("ascii")
+            out.append(f"<figure><img alt='{e(p.name)}' src='data:image/png;base64,{data}'>"
+                       f"<figcaption>{e(p.name)}</figcaption></figure>")
+    out.append("</body></html>\n")
+    return "".join(out)
+
+
+def write_index(out: Path, results: list[dict], title: str = "hybrid-cache-conformance") -> Path:
+
+    out = Path(out)
+    path = out / "index.html"
+    atomic_write(path, render(results, base=out, title=title))
+    return path

@@ -1,0 +1,69 @@
+"""The checks of the suite: one state machine, configured per family, and the
+coverage each must reach (a run in which a family's situation never occurred
+fails: a check that exercised nothing proves nothing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conformance.generate.spec import CheckSpec, mixed
+
+CHECKS: tuple[CheckSpec, ...] = (
+    CheckSpec("mid-block-hits", "mid-block",
+              "prompts cut from shared prefixes at k*B-1, k*B, k*B+1 and mid-block; hits that end inside a block",
+              frozenset({"continue"}), ("prefix_hits", "mid_block_hits")),
+    CheckSpec("multi-turn-replay", "multi-turn",
+              "continuations that replay the previous prompt and output, then add a turn",
+              frozenset({"continue", "step"}), ("multi_turn_hits", "decode_steps")),
+    CheckSpec("chunked-prefill", "chunked-prefill",
+              "per-step token budgets whose chunk ends split blocks, interleaved with other requests",
+              frozenset({"step", "continue"}), ("chunked_prefills", "mid_block_chunk_ends", "prefix_hits")),
+    CheckSpec("eviction-pressure", "eviction",
+              "a small pool: distinct long prompts force cached blocks and snapshots out while others reuse",
+              frozenset({"pressure", "continue", "step"}), ("evictions", "prefix_hits"),
+              num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2),
+    CheckSpec("snapshot-reuse", "snapshot",
+              "recurrent snapshots reused across requests, with aborts and decode in between",
+              frozenset({"abort", "step", "continue"}), ("snapshot_reuse", "aborts")),
+    # Eviction pressure with the second tier on: what a small device pool
+    # evicts comes back through loads (faults and tier mutants meet it here).
+    CheckSpec("tier-reuse", "tier",
+              "a small device pool spills to the second tier; later requests load back what was evicted",
+              frozenset({"pressure", "continue", "step"}), ("tier_loads", "prefix_hits"),
+              num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True),
+    # The declared retention policy (default here: interval 8 and second-hit
+    # together; --option overrides).  Reusing less than promised is a
+    # performance bug, so it is its own family: "hit-rate".
+    CheckSpec("retention-policy", "retention",
+              "states cached only at declared checkpoints; second-hit admission never admits a first sighting",
+              frozenset({"continue", "step"}), ("checkpoints_offered", "admissions"),
+              options={"interval": 8, "admission": "second-hit"}, observe=("retention",)),
+    CheckSpec("retention-hit-rate", "hit-rate",
+              "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
+              frozenset({"continue", "step"}), ("checkpoints_offered", "state_lookups", "prefix_hits"),
+              options={"interval": 8}, observe=("hit-rate",)),
+)
+
+MIXED = mixed()
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    examples: int
+    steps: int
+    checks: tuple[CheckSpec, ...]
+
+
+PROFILES = {
+    "quick": Profile("quick", examples=25, steps=12, checks=CHECKS),
+    "standard": Profile("standard", examples=60, steps=20, checks=CHECKS + (MIXED,)),
+    "nightly": Profile("nightly", examples=400, steps=40, checks=CHECKS + (MIXED,)),
+}
+
+
+def get_check(check_id: str) -> CheckSpec:
+    for spec in CHECKS + (MIXED,):
+        if spec.id == check_id:
+            return spec
+    raise KeyError(f"unknown check {check_id!r}; known: {', '.join(s.id for s in CHECKS + (MIXED,))}")

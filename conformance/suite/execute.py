@@ -1,0 +1,152 @@
+"""Executing one check: its state machine under Hypothesis, the verdict from
+what the checkers found and what the coverage reached, the failure minimized,
+and the reports written after it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from hypothesis import seed as hypothesis_seed
+from hypothesis.stateful import get_state_machine_test
+
+from conformance.errors import ConformanceFailure, ImplementationError, UsageError
+from conformance.generate.machine import HybridCacheMachine, Recorder, hypothesis_settings, stable_draws
+from conformance.generate.spec import CheckSpec
+from conformance.harness.guard import guarded
+from conformance.harness.oracle import Oracle
+from conformance.judge.metrics import CacheMetrics
+from conformance.model import TinyHybrid
+from conformance.results import report
+from conformance.results.records import CheckResult, Failure, RunResult
+from conformance.suite.options import RunOptions
+
+
+def record_check(out: Path | None, result: RunResult, res: CheckResult) -> None:
+    """Write the repro and the reports after each check: a run killed later keeps this one."""
+    if out is not None:
+        if res.failure is not None:  # run_check records the configuration it failed under
+            report.write_failure_repro(out, result, res, res.failure.impl_config)
+        report.write_all(out, result)
+
+
+def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
+    tier = dict([tier_option]) if spec.tier and tier_option else {}
+    return spec.impl_config(block_size=opts.block_size, options={**spec.options, **tier, **opts.impl_options})
+
+
+def _declares_retention(factory, impl_config, timeout: float | None) -> bool:
+    """Whether the implementation, built with this configuration, declares a
+    retention policy (an engine may declare one for some settings only)."""
+    if isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
+        return False
+    try:
+        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        retention = getattr(impl, "retention", None)
+        return callable(retention) and guarded("retention()", retention, timeout=timeout) is not None
+    except ImplementationError:
+        return True  # the check itself builds it again and reports the error, with context
+
+
+def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts: RunOptions, profile,
+              index: int, env=None, notify=lambda *a, **k: None) -> CheckResult:
+    examples = opts.examples or profile.examples
+    steps = opts.steps or profile.steps
+    tier_option = getattr(factory, "tier_option", None)
+    if spec.tier and not tier_option:
+        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           reason="the implementation has no second tier (no tier_option class attribute)")
+    impl_config = check_impl_config(spec, opts, tier_option)
+    if spec.observe and not _declares_retention(factory, impl_config, opts.timeout):
+        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           reason=f"the implementation declares no retention policy (optional retention() "
+                                  f"method) for the options {impl_config.options}")
+    recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
+                                                    steps=r.steps, of=examples))
+    cache_metrics = CacheMetrics()
+
+    def attach(session):
+        session.add_checker(cache_metrics)
+        if env is not None:
+            env.attach(session)
+
+    def machine():
+        return HybridCacheMachine(factory, spec, model=model, oracle=oracle, impl_config=impl_config,
+                                  timeout=opts.timeout, recorder=recorder, attach=attach)
+
+    test = get_state_machine_test(machine, settings=hypothesis_settings(examples, steps,
+                                                                        shrink=opts.shrink == "hypothesis"))
+    test = hypothesis_seed(opts.seed * 1000 + index)(test)
+    started = time.perf_counter()
+    status, failure = "passed", None
+    try:
+        with stable_draws():
+            test()
+    except (ConformanceFailure, ImplementationError) as exc:
+        status = "error" if isinstance(exc, ImplementationError) else "failed"
+        steps_data, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
+        first = recorder.first_failure or (None, None)
+        failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
+                          examples_to_failure=first[0], seconds_to_failure=first[1])
+        if opts.shrink == "ops" and steps_data:
+            minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, not swallowed silently
+        status = "error"
+        failure = Failure(kind="harness", message=f"{type(exc).__name__}: {exc}",
+                          steps=recorder.failure[1] if recorder.failure else [])
+    if status == "passed":
+        missing = [c for c in spec.required if recorder.coverage.get(c, 0) == 0]
+        if missing:
+            status = "failed"
+            failure = Failure(kind="coverage", message=f"the {spec.family} situation never occurred: "
+                                                       f"{', '.join(missing)} stayed at 0 over {recorder.examples} "
+                                                       f"examples")
+    if failure is not None:
+        failure.impl_config = asdict(impl_config)
+    return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
+                       examples=recorder.examples, steps=recorder.steps,
+                       seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
+                       failure=failure, metrics=cache_metrics.summary())
+
+
+def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, model, oracle, opts: RunOptions,
+                     env=None) -> None:
+    """Shorten ``failure.steps`` by replaying subsets (same failure kind), in place."""
+    from conformance.harness.ops import op_from_dict, op_to_dict
+    from conformance.suite.minimize import minimize, replay_fails
+
+    def outcome(ops):
+        return replay_fails(factory, impl_config, model, oracle, ops, env.attach if env is not None else None,
+                            timeout=opts.timeout, families=spec.observe)
+
+    def still_fails(ops) -> bool:
+        exc, _ = outcome(ops)
+        return exc is not None and exc.kind == failure.kind
+
+    ops = [op_from_dict(d) for d in failure.steps]
+    if not still_fails(ops):
+        return  # not reproducible by replay (it depended on state across examples): keep it as it is
+    best = minimize(ops, still_fails)
+    exc, session = outcome(best)
+    failure.steps = [op_to_dict(op) for op in best]
+    failure.message = str(exc)
+    failure.events = session.history.tail()
+
+
+def check_faults_exercised(result: RunResult) -> None:
+    """A fault that never fired proves nothing: the run fails, as a check of its own."""
+    idle = []
+    for name, info in result.faults.items():
+        info["exercised"] = bool(info.get("fired"))  # recomputed: workers' reports are merged by summing
+        if not info["exercised"]:
+            idle.append(name)
+    if idle:
+        hint = result.faults[idle[0]].get("hint", "")
+        result.checks.append(CheckResult(
+            id="faults-exercised", family="fault-injection", status="failed",
+            description="every injected environment fault fired at least once",
+            failure=Failure(kind="coverage",
+                            message=f"faults never fired: {', '.join(idle)}" + (f" ({hint})" if hint else ""))))

@@ -1,0 +1,99 @@
+"""Merging the results of the shards of one run (``--shard i/n`` on several
+CI runners) into one report directory: results.json, junit.xml, index.html
+and repros/ (paths rewritten to the merged copies).
+
+    python -m conformance.suite.merge OUT SHARD_DIR [SHARD_DIR ...]
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from conformance.errors import CompareInputError
+from conformance.results.compare import load_results
+from conformance.results.records import CheckResult, Failure, RunResult
+from conformance.suite.checks import CHECKS, MIXED
+
+_ORDER = {spec.id: i for i, spec in enumerate(CHECKS + (MIXED,))}
+
+
+def result_from_dict(d: dict) -> RunResult:
+    """results.json back into a RunResult (unknown keys, e.g. from a newer harness, are ignored)."""
+    known = {f.name for f in fields(RunResult)}
+    run = RunResult(**{k: v for k, v in d.items() if k in known and k != "checks"})
+    ck = {f.name for f in fields(CheckResult)}
+    fk = {f.name for f in fields(Failure)}
+    for c in d.get("checks", []):
+        c = {k: v for k, v in c.items() if k in ck}
+        if c.get("failure"):
+            c["failure"] = Failure(**{k: v for k, v in c["failure"].items() if k in fk})
+        run.checks.append(CheckResult(**c))
+    return run
+
+
+def merge(out: Path, dirs: list[Path]) -> RunResult:
+    from conformance.results import report
+
+    docs = [load_results(d) for d in dirs]
+    if not docs:
+        raise CompareInputError("nothing to merge")
+    first = docs[0]
+    for d, path in zip(docs[1:], dirs[1:]):
+        for key in ("implementation", "implementation_version", "seed", "profile", "mutant"):
+            if d.get(key) != first.get(key):
+                raise CompareInputError(f"{path}: {key} {d.get(key)!r} differs from {first.get(key)!r}: "
+                                        f"not shards of one run")
+    merged = result_from_dict(first)
+    merged.checks, merged.faults = [], {}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "repros").mkdir(exist_ok=True)
+    seen = set()
+    for d, src in zip(docs, dirs):
+        part = result_from_dict(d)
+        for c in part.checks:
+            if c.id in seen:
+                raise CompareInputError(f"{src}: check {c.id} is in two shards")
+            seen.add(c.id)
+            if c.failure is not None and c.failure.repro and Path(c.failure.repro).exists():
+                dest = out / "repros" / Path(c.failure.repro).name
+                shutil.copyfile(c.failure.repro, dest)
+                c.failure.repro = str(dest)
+            merged.checks.append(c)
+        merged.interrupted = merged.interrupted or part.interrupted
+        merged.finished = max(filter(None, [merged.finished, part.finished]), default=None)
+        for name, info in part.faults.items():
+            into = merged.faults.setdefault(name, {})
+            for k, v in (info or {}).items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    into[k] = into.get(k, 0) + v  # each shard counted its own firings
+                else:
+                    into.setdefault(k, v)
+        for png in Path(src if Path(src).is_dir() else Path(src).parent).glob("*.png"):
+            shutil.copyfile(png, out / png.name)
+    merged.checks.sort(key=lambda c: _ORDER.get(c.id, len(_ORDER)))
+    merged.metrics = {"merged_from": [str(p) for p in dirs]}
+    report.write_all(out, merged)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2:
+        print("usage: python -m conformance.suite.merge OUT SHARD_DIR [SHARD_DIR ...]", file=sys.stderr)
+        return 2
+    try:
+        result = merge(Path(argv[0]), [Path(a) for a in argv[1:]])
+    except CompareInputError as exc:
+        print(f"merge: error: {exc}", file=sys.stderr)
+        return 2
+    s = result.to_dict()["summary"]
+    print(f"merged {len(argv) - 1} shards into {argv[0]}: {s['passed']} passed, {s['failed']} failed, "
+          f"{s['error']} errors" + (" (interrupted)" if result.interrupted else ""))
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

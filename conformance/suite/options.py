@@ -1,0 +1,54 @@
+"""The options of one run, shared by the CLI, the pytest plugin and the Python API."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conformance.model import ModelConfig
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-hybrid.toml"
+
+
+def default_model_config() -> ModelConfig:
+    """The model every run uses unless told otherwise (the fixture, when the checkout has it)."""
+    return ModelConfig.load(DEFAULT_MODEL) if DEFAULT_MODEL.exists() else ModelConfig()
+
+
+@dataclass
+class RunOptions:
+    impl: str = "reference"
+    profile: str = "quick"
+    seed: int = 0
+    report_dir: Path | None = None
+    checks: tuple[str, ...] = ()  # empty: all checks of the profile
+    mutant: str | None = None
+    faults: tuple[str, ...] = ()
+    timeout: float = 30.0  # per implementation call
+    examples: int | None = None  # override the profile
+    steps: int | None = None
+    model_config: ModelConfig | None = None
+    impl_options: dict = field(default_factory=dict)
+    block_size: int | None = None
+    progress: object = None  # callable(event: str, **info)
+    write_reports: bool = True
+    stop_at_failure: bool = False  # skip the remaining checks once one fails (the mutants self-check)
+    # "hypothesis": Hypothesis shrinks the failing example; "ops": it does not, and the failing
+    # operations are minimized by replay instead; "none": the first failing example as it came
+    # operations are minimized by replay instead (conformance/minimize.py: seconds, not minutes).
+    shrink: str = "hypothesis"
+    shard: tuple[int, int] | None = None  # (i, n), 1 <= i <= n: run every n-th check (CI runners)
+    workers: int = 1  # processes on this machine (conformance.suite.parallel)
+
+
+def default_report_dir(impl: str, seed: int) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in impl)
+    return Path("reports") / f"{stamp}-{safe}-s{seed}"
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+

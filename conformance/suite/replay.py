@@ -1,0 +1,184 @@
+"""Replaying a repro file: the same operations, a fresh session, no Hypothesis.
+
+Everything a failure depends on is in the file (model settings, cache layout,
+operations, mutant, faults), and the harness is deterministic, so a replay
+either fails the same way or shows that the bug is gone.
+
+Which implementation runs is decided here, never by code in the file: the
+command line's ``--impl`` wins; otherwise the file's ``impl`` is used only when
+it is a named adapter (``reference``, ``vllm``).  A ``module:Class`` written in
+a file is imported only with ``--trust-impl``, because importing a module runs
+its code and a repro file may come from anywhere (a CI artifact, an issue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conformance.adapters import ENGINE_LEVEL, NAMED, resolve
+from conformance.errors import ConformanceFailure, ImplementationError, ReproFormatError, UsageError
+from conformance.harness.ops import op_to_dict
+from conformance.harness.oracle import Oracle
+from conformance.harness.session import make_session
+from conformance.judge import standard_checkers
+from conformance.model import TinyHybrid
+from conformance.results.repro import Repro
+from conformance.suite.checks import get_check
+
+
+@dataclass
+class ReplayOutcome:
+    reproduced: bool
+    impl: str
+    mutant: str | None
+    faults: list[str]
+    kind: str | None = None
+    message: str = ""
+    failed_at: int | None = None  # index of the operation that failed
+    applied: int = 0
+    events: list[dict] = field(default_factory=list)
+    coverage: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def choose_impl(repro: Repro, cli_impl: str | None, trust_impl: bool = False) -> str:
+    if cli_impl:
+        return cli_impl
+    spec = repro.impl or repro.implementation
+    if spec in NAMED:
+        return spec
+    if spec in ENGINE_LEVEL:
+        raise UsageError(f"impl: {spec!r} is an engine-level target; cache-level repro files replay against "
+                         f"{', '.join(sorted(NAMED))} or module:Class")
+    if ":" in spec:
+        if trust_impl:
+            return spec
+        raise UsageError(f"impl: the file names {spec!r}; importing it would run its code, so pass "
+                         f"--impl {spec} (or --trust-impl) to replay against it")
+    raise UsageError(f"impl: {spec!r} is not a named adapter ({', '.join(sorted(NAMED))}); pass --impl")
+
+
+def choose_mutant(repro: Repro, impl: str, cli_impl: str | None,
+                  cli_mutant: str | None) -> tuple[str | None, list[str]]:
+    """The file's mutant was injected into the file's implementation: it applies
+    unless the user names another mutant, ``none``, or another implementation."""
+    notes = []
+    if cli_mutant is not None:
+        return (None if cli_mutant == "none" else cli_mutant), notes
+    file_impl = repro.impl or repro.implementation
+    if repro.mutant and cli_impl and cli_impl != file_impl:
+        notes.append(f"mutant {repro.mutant!r} was recorded against {file_impl!r}; not applied to {impl!r} "
+                     f"(pass --mutant {repro.mutant} to force it)")
+        return None, notes
+    return repro.mutant, notes
+
+
+def build_factory(impl: str, mutant: str | None):
+    factory = resolve(impl)
+    if mutant:
+        from fault_injection.catalog import get_mutant
+
+        try:
+            factory = get_mutant(mutant).wrap(factory)
+        except KeyError as exc:
+            raise UsageError(f"mutant: {exc.args[0]}") from None
+        except TypeError as exc:
+            raise UsageError(f"mutant {mutant}: {exc}") from None
+    return factory
+
+
+def _build_faults(names: list[str], seed: int):
+    if not names:
+        return None
+    try:
+        from fault_injection.environment import build_faults
+    except ImportError:
+        raise UsageError(f"faults: {', '.join(names)} recorded, but this harness has no environment "
+                         f"faults (fault_injection.environment); pass --no-faults to replay without them") from None
+    try:
+        return build_faults(tuple(names), seed)
+    except KeyError as exc:
+        raise UsageError(f"faults: {exc.args[0]}") from None
+
+
+def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = None, trust_impl: bool = False,
+           use_faults: bool = True, timeout: float | None = 30.0, model: TinyHybrid | None = None) -> ReplayOutcome:
+    """Apply the file's operations to a fresh session.  Raises UsageError for
+    what cannot run here, ReproFormatError for operations the session rejects."""
+    impl = choose_impl(repro, cli_impl, trust_impl)
+    mutant, notes = choose_mutant(repro, impl, cli_impl, cli_mutant)
+    # Faults travel with the mutant: "--mutant none" or another implementation
+    # means "the clean implementation", so the file's faults are dropped too.
+    dropped = cli_mutant == "none" or bool(cli_impl and cli_impl != (repro.impl or repro.implementation))
+    faults = list(repro.faults) if use_faults and not dropped else []
+    if repro.faults and not faults:
+        notes.append(f"faults {', '.join(repro.faults)} not applied")
+    factory = build_factory(impl, mutant)
+    env = _build_faults(faults, repro.seed)
+    if model is None or model.config != repro.model:
+        model = TinyHybrid(repro.model)
+    outcome = ReplayOutcome(False, impl, mutant, faults, notes=notes)
+    session = None
+    try:
+        # The check's own retention checkers judge too (a retention or hit-rate
+        # failure is theirs, not the logits'), exactly as during the run.
+        session = make_session(factory, repro.impl_config, model, Oracle(model),
+                               standard_checkers(_observers_of(repro.check)), timeout=timeout)
+        if env is not None:
+            env.attach(session)
+        for i, op in enumerate(repro.steps):
+            try:
+                session.apply(op)
+            except ValueError as exc:  # the session refused the operation: the file is wrong, not the cache
+                raise ReproFormatError(f"steps[{i}]: {exc}") from None
+            outcome.applied = i + 1
+    except (ConformanceFailure, ImplementationError) as exc:
+        outcome.reproduced = True
+        outcome.kind = exc.kind
+        outcome.message = str(exc)
+        outcome.failed_at = outcome.applied if session is not None else None
+    if session is not None:
+        outcome.events = session.history.tail()
+        outcome.coverage = dict(session.coverage)
+    return outcome
+
+
+def _observers_of(check_id: str) -> tuple[str, ...]:
+    try:
+        return get_check(check_id).observe
+    except KeyError:  # a scenario file names no check of this suite: logits and invariants only
+        return ()
+
+
+def witness(repro: Repro, outcome: ReplayOutcome) -> str:
+    """The minimal story of the failure: the operations (the failing one marked),
+    the last plans and verdicts before it, and the message."""
+    lines = [f"FAILED ({outcome.kind}) at operation {outcome.failed_at + 1 if outcome.failed_at is not None else '-'}"
+             f" of {len(repro.steps)}: {outcome.message}", "", "operations:"]
+    for i, op in enumerate(repro.steps):
+        mark = ">>" if i == outcome.failed_at else "  "
+        lines.append(f" {mark} {i + 1:>3}. {_short(op_to_dict(op))}")
+    if outcome.events:
+        lines += ["", "last plans and verdicts:"]
+        for ev in outcome.events:
+            if ev.get("event") == "plan":
+                for r in ev["requests"]:
+                    lines.append(f"    plan    {r['request_id']} [{r['start']}, {r['end']}) blocks={r['block_table']} "
+                                 f"slot={r['state_slot']} init={r['state_init']}"
+                                 + (f"<-{r['state_source']}" if r.get('state_source') is not None else "")
+                                 + (f" snapshots={r['snapshots']}" if r.get('snapshots') else ""))
+                if ev.get("kv_copies") or ev.get("state_copies"):
+                    lines.append(f"    copies  kv={ev.get('kv_copies')} state={ev.get('state_copies')}")
+            elif ev.get("event") == "verdict":
+                lines.append(f"    verdict {ev['request_id']} [{ev['start']}, {ev['end']}) "
+                             f"{'ok' if ev['ok'] else 'WRONG'} max_rel_error={ev['max_rel_error']:.3g}")
+    return "\n".join(lines)
+
+
+def _short(d: dict) -> str:
+    d = dict(d)
+    name = d.pop("op")
+    if d.get("continues") is None:
+        d.pop("continues", None)
+    args = ", ".join(f"{k}={v}" for k, v in d.items())
+    return f"{name}({args})"

@@ -1,0 +1,23 @@
+"""Every built-in mutant, loaded: the one place that knows the mutant modules.
+
+Mutant modules import only :mod:`fault_injection.registry` and register on
+import; an adapter's mutants (vLLM, SGLang) import their engine only when one
+is applied, so loading the catalogue needs no engine installed."""
+
+from __future__ import annotations
+
+from fault_injection import reference_mutants, retention_mutants, vllm_mutants
+from fault_injection.registry import MUTANTS, Mutant
+
+_MODULES = (reference_mutants, retention_mutants, vllm_mutants)  # imported for their registrations
+
+
+def all_mutants() -> dict[str, Mutant]:
+    """Name -> mutant, every built-in one."""
+    return dict(MUTANTS)
+
+
+def get_mutant(name: str) -> Mutant:
+    if name not in MUTANTS:
+        raise KeyError(f"unknown mutant {name!r}; known: {', '.join(sorted(MUTANTS))}")
+    return MUTANTS[name]

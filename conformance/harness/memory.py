@@ -38,7 +38,6 @@ class Memory:
         # conv_prov / ssm_prov[slot] = the prefix whose state that part holds
         self.conv_prov: list[Prefix | None] = [None] * layout.num_state_slots
         self.ssm_prov: list[Prefix | None] = [None] * layout.num_state_slots
-        self.hooks: list = []  # environment faults can watch or corrupt writes
 
     # -- validation ----------------------------------------------------------------
     def check_block(self, block: int) -> None:
@@ -80,8 +79,6 @@ class Memory:
                 self.kv[layer, b, off, 0] = k[pos - start]
                 self.kv[layer, b, off, 1] = v[pos - start]
             self.kv_prov[b][off] = tokens[: pos + 1]
-        for hook in self.hooks:
-            hook.after_kv_write(self, block_table, start, end)
 
     # -- recurrent states ----------------------------------------------------------
     def read_state(self, slot: int) -> list[RecState]:

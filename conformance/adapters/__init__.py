@@ -10,6 +10,7 @@ from ..contract import missing_methods
 NAMED = {
     "reference": "conformance.adapters.reference:ReferenceCache",
     "vllm": "conformance.adapters.vllm:VllmCache",
+    "sglang": "conformance.adapters.sglang:SglangCache",
 }
 ENGINE_LEVEL = {"vllm-engine"}
 

@@ -101,7 +101,9 @@ class SglangCache:
 
     def schedule(self, budget: int) -> StepPlan:
         self.stats["steps"] += 1
-        budget = max(1, int(budget))
+        # SGLang asserts chunked_prefill_size % page_size == 0: the harness's token budget
+        # stands for the chunk size, so it is rounded up to whole pages.
+        budget = -(-max(1, int(budget)) // self.P) * self.P
         steps = []
         scheduled = set()
         # 1. Running requests first (decode, next prefill chunk), in arrival order.

@@ -47,3 +47,4 @@ def _load_builtin() -> None:
     from . import reference_mutants  # noqa: F401  (registers on import)
     from . import retention_mutants  # noqa: F401
     from . import vllm_mutants  # noqa: F401  (imports vLLM only when one is applied)
+    from . import sglang_mutants  # noqa: F401  (imports SGLang only when one is applied)

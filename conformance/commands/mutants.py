@@ -41,8 +41,8 @@ def mutants_for(impl: str) -> list:
     from fault_injection.registry import MUTANTS, _load_builtin
 
     _load_builtin()
-    target = "vllm" if impl == "vllm" else "reference"
-    if impl not in ("reference", "vllm"):  # module:Class: reference mutants subclass the reference only
+    target = impl if impl in ("vllm", "sglang") else "reference"
+    if impl not in ("reference", "vllm", "sglang"):  # module:Class: reference mutants subclass the reference only
         from ..adapters import resolve
         from ..adapters.reference import ReferenceCache
 

@@ -82,6 +82,9 @@ class SglangCache:
         self.order: list[str] = []  # FCFS: waiting and running in arrival order
         self._fake_model = SimpleNamespace(is_encoder_decoder=False,
                                            hf_text_config=SimpleNamespace(mamba_chunk_size=self.opts.chunk))
+        # SGLang's extra_buffer track planning for a prefill chunk (an attribute so a
+        # fault-injection wrapper can replace it on one instance).
+        self.prepare_track = ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend
         self.stats = {"steps": 0, "hit_tokens": 0, "lookups": 0, "forks": 0, "tracks": 0}
 
     # -- contract ------------------------------------------------------------------
@@ -241,10 +244,10 @@ class SglangCache:
         snapshots = ()
         lv.track = None
         if self.opts.extra_buffer:
-            entry = ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend(batch, req)
+            entry = self.prepare_track(batch, req)
             if entry.track_mask:
                 pos = req.kv.mamba_last_track_seqlen
-                slot = int(req.kv.mamba_ping_pong_track_buffer[entry.track_position])
+                slot = self._track_slot(req, entry.track_position)
                 snapshots = ((pos, slot),)
                 lv.track = (pos, entry.track_position, "extend")
                 self.stats["tracks"] += 1
@@ -273,7 +276,7 @@ class SglangCache:
             # prepare_for_decode's track mask: the forward writes the state after
             # length+1 tokens into the ping-pong slot named by mamba_next_track_idx.
             idx = req.kv.mamba_next_track_idx
-            slot = int(req.kv.mamba_ping_pong_track_buffer[idx])
+            slot = self._track_slot(req, idx)
             snapshots = ((length + 1, slot),)
             lv.track = (length + 1, idx, "decode")
             self.stats["tracks"] += 1
@@ -292,6 +295,13 @@ class SglangCache:
         kv.mamba_prev_track_seqlen = kv.mamba_last_track_seqlen
         kv.mamba_last_track_seqlen = pos
         kv.mamba_next_track_idx = self.req_pool.get_mamba_ping_pong_other_idx(idx)
+
+    def _track_slot(self, req: Req, idx: int) -> int:
+        """The slot the forward's track-save writes: the kernels read the pool's
+        device-side row table (``req_index_to_mamba_ping_pong_track_buffer_mapping``),
+        which SGLang keeps in sync with ``req.kv.mamba_ping_pong_track_buffer``."""
+        row = self.req_pool.req_index_to_mamba_ping_pong_track_buffer_mapping[req.kv.req_pool_idx]
+        return int(row[idx])
 
     def _table(self, req: Req, end: int) -> tuple[int, ...]:
         row = self.req_pool.req_to_token[req.kv.req_pool_idx, :end:self.P]

@@ -55,7 +55,8 @@ def build_view(adapter, running: tuple[str, ...]) -> CacheView:
     tree_pages: set[int] = set()
     tree_slots: set[int] = set()
     cached_kv, cached_states = [], []
-    if adapter.opts.tree_core == "python":
+    walked = adapter.opts.tree_core == "python"
+    if walked:
         for tokens, node in walk_tree(cache):
             full = node.component_data[FULL]
             start = len(tokens) - len(node.key.token_ids)
@@ -82,7 +83,7 @@ def build_view(adapter, running: tuple[str, ...]) -> CacheView:
             continue
         row = adapter.req_pool.req_to_token[req.kv.req_pool_idx, : req.kv.kv_allocated_len].tolist()
         for page in {int(i) // P for i in row}:
-            if page not in tree_pages:
+            if page not in tree_pages or not walked:  # Rust core: no lock counts to read, rows stand in
                 kv_ref[page] += 1
         if req.kv.mamba_pool_idx is not None:
             st_ref[int(req.kv.mamba_pool_idx)] += 1

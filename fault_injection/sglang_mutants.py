@@ -66,33 +66,54 @@ def unwritten_track_committed(adapter):
 
 
 def lock_over_release(adapter):
-    """LOCK: releasing a request's tree lock releases the Full locks of its
-    path a second time whenever another request still holds that node (the
-    copy-on-write over-release class, sglang#27038): the other request's prefix
-    becomes evictable while it is running, and eviction hands its KV pages to
-    another request."""
+    """LOCK: a request that locks a node another request also holds releases
+    the Full part of its lock once more right away (the copy-on-write lock
+    over-release class, sglang#27038), and the lock keeps that shape when the
+    checkpoints move it down the tree.  The request's prefix, and every page it
+    publishes, stay unprotected while it runs: they are evictable, and
+    eviction hands them to another request.  The receipt then says the Full
+    part was never taken, so SGLang's own ``lock_ref > 0`` assertions stay
+    silent and the suite must find the bug from what it observes."""
     _check(adapter)
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-    cache = adapter.cache
-    original = cache.unlock
-    core = cache.tree_core
+    FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
+    cache, core = adapter.cache, adapter.cache.tree_core
     if not hasattr(core, "_node_arena"):
         raise TypeError("sglang-lock-over-release needs the Python tree core (tree_core=python)")
+    original_lock, original_unlock = cache.lock, cache.unlock
+    moved = {"from": None}  # the node of a Full-less lock just released (a checkpoint moves it)
 
-    def unlock(lock):
-        original(lock)
-        if lock is None:
-            return
-        node = core.node_by_id(lock.node)
-        if node is core.root_node or node.component_data[ComponentType.FULL].lock_ref < 1:
-            return
-        # the Mamba lock sits on the anchor only and is not over-released (it would assert)
-        receipt = dataclasses.replace(lock.receipt, skipped_lock_components=tuple(
-            set(lock.receipt.skipped_lock_components) | {ComponentType.MAMBA}))
-        cache.dec_lock_ref(lock.node, receipt)
+    def skipping(receipt, component):
+        return dataclasses.replace(receipt, skipped_lock_components=tuple(
+            dict.fromkeys(tuple(receipt.skipped_lock_components) + (component,))))
 
-    cache.unlock = unlock
+    def below(node, ancestor) -> bool:
+        while node is not None:
+            if node is ancestor:
+                return True
+            node = node.parent
+        return False
+
+    def lock(node_id, skip_lock_components=()):
+        source, moved["from"] = moved["from"], None
+        node = core.node_by_id(node_id)
+        if source is not None and below(node, source):
+            skip_lock_components = tuple(skip_lock_components) + (FULL,)
+        tl = original_lock(node_id, skip_lock_components)
+        if tl is None or FULL in tl.receipt.skipped_lock_components or node is core.root_node:
+            return tl
+        if node.component_data[FULL].lock_ref >= 2:  # shared: the over-release
+            cache.dec_lock_ref(node_id, skipping(tl.receipt, MAMBA))
+            tl = dataclasses.replace(tl, receipt=skipping(tl.receipt, FULL))
+        return tl
+
+    def unlock(tl):
+        moved["from"] = core.node_by_id(tl.node) if tl is not None and \
+            FULL in tl.receipt.skipped_lock_components else None
+        original_unlock(tl)
+
+    cache.lock, cache.unlock = lock, unlock
     return adapter
 
 

@@ -188,6 +188,10 @@ class SglangCache:
 
     def _continue(self, lv: _Live, budget: int) -> RequestStep | None:
         req = lv.req
+        if lv.pending_checkpoint and self.allocator.available_size() + self.cache.full_evictable_size() < 2 * self.P:
+            # No room for this request's next step: keep its checkpoint (and the fork copy it
+            # makes) for the step that will run, so no copy waits in an empty plan.
+            return None
         self._flush_checkpoint(lv)
         total = len(req.origin_input_ids) + len(req.output_ids)
         done = req.kv.kv_committed_len
@@ -229,8 +233,9 @@ class SglangCache:
         need_kv = n + P
         if self.allocator.available_size() + self.cache.full_evictable_size() < need_kv:
             return None
-        if first and not ensure_mamba_capacity(self.req_pool, [req], self.cache):
-            return None
+        if first and (self.req_pool.available_size() < 1
+                      or not ensure_mamba_capacity(self.req_pool, [req], self.cache)):
+            return None  # no req_to_token row or Mamba slot for it: it waits (the scheduler's budget)
         req.extend_end = start + n
         batch = _Batch(reqs=[req], device="cpu", prefix_lens=[start], extend_lens=[n], extend_num_tokens=n,
                        seq_lens=torch.tensor([start + n]), seq_lens_cpu=torch.tensor([start + n]),

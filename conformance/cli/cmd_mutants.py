@@ -41,8 +41,8 @@ def mutants_for(impl: str) -> list:
     from fault_injection.catalog import all_mutants
 
     MUTANTS = all_mutants()
-    target = "vllm" if impl == "vllm" else "reference"
-    if impl not in ("reference", "vllm"):  # module:Class: reference mutants subclass the reference only
+    target = impl if impl in ("vllm", "sglang") else "reference"
+    if impl not in ("reference", "vllm", "sglang"):  # module:Class: reference mutants subclass the reference only
         from conformance.adapters import resolve
         from conformance.adapters.reference import ReferenceCache
 

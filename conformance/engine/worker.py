@@ -92,6 +92,8 @@ class VllmHost:
                     "gpu_memory_utilization", "kv_cache_memory_bytes", "enable_chunked_prefill"):
             if options.get(key) is not None:
                 kwargs[key] = options[key]
+        # In-process only (not JSON): e.g. the P/D host's KVTransferConfig (see pd_worker.py).
+        kwargs.update(options.get("llm_extra") or {})
         self.llm = LLM(**kwargs)
         self.version = vllm.__version__
         cc = self.llm.llm_engine.vllm_config.cache_config
@@ -99,7 +101,8 @@ class VllmHost:
                      "num_blocks": getattr(cc, "num_gpu_blocks", None),
                      "mamba_cache_mode": str(getattr(cc, "mamba_cache_mode", "")),
                      "mamba_ssm_cache_dtype": str(getattr(cc, "mamba_ssm_cache_dtype", "")),
-                     "engine_kwargs": {k: v for k, v in kwargs.items() if k != "model"}}
+                     "engine_kwargs": {k: (v if k != "kv_transfer_config" else str(v)) for k, v in kwargs.items()
+                                       if k != "model"}}
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
         from vllm import SamplingParams
@@ -149,11 +152,18 @@ def main() -> None:
                 if msg["kind"] == "vllm":
                     opts.setdefault("dtype", fixture.dtype)
                     host = VllmHost(model_dir, opts)
+                elif msg["kind"] == "vllm-pd":  # one side of a prefill/decode pair (pd_worker.py)
+                    from .pd_worker import PdHost
+
+                    opts.setdefault("dtype", fixture.dtype)
+                    host = PdHost(model_dir, opts)
                 else:
                     host = HfHost(model_dir, opts)
                 ans = {"ok": True, "info": {**host.info, "model_dir": model_dir}}
             elif cmd == "generate":
                 ans = {"ok": True, "outputs": host.generate(msg["prompts"], int(msg["max_tokens"]))}
+            elif cmd == "generate_pd":
+                ans = {"ok": True, "outputs": host.generate_pd(msg["prompts"], int(msg["max_tokens"]), msg["params"])}
             elif cmd == "score":
                 ans = {"ok": True, "scores": host.score(msg["items"])}
             elif cmd == "exit":

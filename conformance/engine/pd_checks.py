@@ -41,6 +41,22 @@ def pd_workload(rng: random.Random, B: int, vocab: int, size: Size) -> Workload:
            for p in base for t in ("", " twin")]
 
 
+class PdCachedEngine(CachedEngine):
+    """The plausibility bound of a P/D answer.  ``cached_tokens`` counts what the decode engine
+    did not compute: its local hit plus what it loaded.  The load comes from the prefill engine,
+    which was shown this very prompt in this call, so up to N-1 tokens are plausible; the decode
+    engine's *local* hit is still bounded by what the decode engine was shown before
+    (recorded here, checked by :func:`pd_coverage`)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.local_bounds: list[int] = []
+
+    def hit_bound(self, prompt, round_prompts, me):
+        self.local_bounds.append(super().hit_bound(prompt, round_prompts, me))
+        return len(prompt) - 1
+
+
 def pd_pair(v, opts: dict) -> PdPair:
     """Both sides get the variant's engine options; ``pd_prefill`` / ``pd_decode`` (dicts)
     override per side, e.g. ``{"block_size": 256}`` for heterogeneous block sizes."""
@@ -50,7 +66,7 @@ def pd_pair(v, opts: dict) -> PdPair:
 
 def run_pd_trace(cid: str, v, seed_rng: random.Random, size: Size, opts: dict) -> tuple[Trace, dict]:
     pair = pd_pair(v, opts)
-    cached = CachedEngine(pair)
+    cached = PdCachedEngine(pair)
     info: dict = {}
     try:
         try:
@@ -62,6 +78,7 @@ def run_pd_trace(cid: str, v, seed_rng: random.Random, size: Size, opts: dict) -
                 "decode_block_size": B}
         tr = run_workload(cid, "pd", cached, pd_workload(seed_rng, B, opts["vocab_size"], size))
         info["transfers"] = pair.transfers
+        tr.local_bounds = cached.local_bounds[:sum(len(o) for o in tr.outputs)]
         return tr, info
     finally:
         pair.close()
@@ -73,8 +90,15 @@ def pd_coverage(res, tr: Trace) -> None:
     for k in ("pd_loads", "pd_failed_loads", "prefill_hits", "decode_local_hits", "external_tokens",
               "bytes_transferred"):
         cov.setdefault(k, 0)
-    for _, out, _ in tr.requests():
+    bounds = getattr(tr, "local_bounds", [])
+    for i, (req, out, _) in enumerate(tr.requests()):
         c = getattr(out, "decode_connector", {}) or {}
+        local = int(c.get("local_hit") or 0)
+        if i < len(bounds) and local > bounds[i] and res.failure is None:
+            res.status = "failed"
+            res.failure = Failure(kind="contract", message=(
+                f"{req.label}: the decode engine reports a local hit of {local} tokens, but no sequence it was "
+                f"shown shares more than {bounds[i]} tokens with this prompt"), steps=tr.repro())
         cov["pd_loads"] += bool(getattr(out, "loaded", False))
         cov["pd_failed_loads"] += bool(c.get("recv_failed"))
         cov["prefill_hits"] += getattr(out, "prefill_cached", 0) > 0

@@ -60,7 +60,7 @@ PROFILES: dict[str, dict] = {
     # comparison is statistical there, since GPU kernels are batch-variant.
     "gpu": {"size": Size(ks=(1, 2), conversations=2, turns=3, repeats=3, groups=3, group_size=3,
                          flood_factor=1.5, max_blocks=3),
-            "variants": [("qwen3next-tiny-sharp", "cuda-bf16-fp32state", ALL,
+            "variants": [("qwen3next-tiny-sharp", "cuda-bf16-fp32state", ALL + ("pd",),
                           {"device": "cuda", "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}),
                          ("qwen3next-tiny-sharp", "cuda-bf16-bf16state", ("mid-block", "multi-turn"),
                           {"device": "cuda", "dtype": "bfloat16", "mamba_ssm_cache_dtype": "bfloat16"}),

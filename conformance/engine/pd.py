@@ -80,10 +80,15 @@ class PdEngine:
         keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
                 "block_size", "mamba_ssm_cache_dtype", "mamba_cache_mode", "enforce_eager",
                 "mamba2_checkpoint_workaround", "enable_chunked_prefill", "fault", "kv_connector",
-                "kv_load_failure_policy", "kv_connector_extra_config")
+                "kv_load_failure_policy", "kv_connector_extra_config", "tensor_parallel_size",
+                "distributed_executor_backend", "kv_buffer_device")
         opts = {k: self.options[k] for k in keys if self.options.get(k) is not None}
         opts["prefix_caching"] = bool(self.options.get("prefix_caching", True))
         opts["kv_role"] = self.role
+        if self.options.get("device", "cpu") != "cpu":
+            # Two engines (and the references) share one GPU; the KV moves GPU to GPU.
+            opts.setdefault("gpu_memory_utilization", 0.25)
+            opts.setdefault("kv_buffer_device", "cuda")
         return opts
 
     def start(self) -> EngineInfo:

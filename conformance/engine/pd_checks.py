@@ -26,13 +26,15 @@ DESCRIPTION = ("prefill on a kv_producer engine, decode on a kv_consumer engine,
                "prefix hits on the prefill side, several decode tokens")
 
 
-def pd_workload(rng: random.Random, B: int, vocab: int, size: Size) -> Workload:
+def pd_workload(rng: random.Random, B: int, vocab: int, size: Size, max_prompt: int = 0) -> Workload:
     """Round 0: fresh prompts whose lengths sit at k*B-1, k*B, k*B+1, k*B+B/2 (vLLM's prefill
     stops one token short for hybrid models, so these put the transferred prefix on both
     sides of a block boundary).  Round 1: new prompts sharing round 0's prompts as a prefix
     (the prefill engine hits its own cache; the decode engine may hit locally too, and loads
-    only the rest).  Round 2: exact replays of round 0, in one call with a twin each."""
-    lengths = sorted({k * B + off for k in size.ks for off in boundary_offsets(B) if k * B + off >= 2})
+    only the rest).  Round 2: exact replays of round 0, in one call with a twin each.
+    ``max_prompt``: the longest prompt the engines take (round 1 adds up to B tokens)."""
+    lengths = sorted({k * B + off for k in size.ks for off in boundary_offsets(B) if k * B + off >= 2
+                      and (not max_prompt or k * B + off + B <= max_prompt)})
     base = [_toks(rng, vocab, L) for L in lengths]
     yield [Req(f"pd L={len(p)}", p, size.max_tokens, expect_hit=True) for p in base]
     yield [Req(f"pd L={len(p)} extended", p + _toks(rng, vocab, rng.choice([1, B // 2, B])), size.max_tokens,
@@ -76,7 +78,8 @@ def run_pd_trace(cid: str, v, seed_rng: random.Random, size: Size, opts: dict) -
         B = pair.info.block_size
         info = {"prefill": pair.info.extra.get("prefill", {}), "decode": pair.info.extra.get("decode", {}),
                 "decode_block_size": B}
-        tr = run_workload(cid, "pd", cached, pd_workload(seed_rng, B, opts["vocab_size"], size))
+        max_prompt = int(opts.get("max_model_len", 1024)) - size.max_tokens
+        tr = run_workload(cid, "pd", cached, pd_workload(seed_rng, B, opts["vocab_size"], size, max_prompt))
         info["transfers"] = pair.transfers
         tr.local_bounds = cached.local_bounds[:sum(len(o) for o in tr.outputs)]
         return tr, info

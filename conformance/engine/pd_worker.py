@@ -8,7 +8,8 @@ handshake, its NIXL registration of the hybrid caches and its UCX READs are vLLM
 
 Options (beyond :class:`~conformance.engine.worker.VllmHost`'s):
 ``kv_role`` (``kv_producer`` | ``kv_consumer``), ``kv_connector`` (default ``NixlConnector``),
-``kv_load_failure_policy`` (default ``recompute``), ``kv_connector_extra_config``.
+``kv_load_failure_policy`` (default ``recompute``), ``kv_connector_extra_config``,
+``kv_buffer_device`` (``cpu``; ``cuda`` on a GPU runner), ``tensor_parallel_size``.
 The side-channel port comes from ``VLLM_NIXL_SIDE_CHANNEL_PORT`` in the environment the
 parent gives this process (one free port per engine).
 """
@@ -25,10 +26,16 @@ class PdHost(VllmHost):
         from vllm.config import KVTransferConfig
 
         ktc = KVTransferConfig(kv_connector=options.get("kv_connector", "NixlConnector"),
-                               kv_role=options["kv_role"], kv_buffer_device="cpu",
+                               kv_role=options["kv_role"], kv_buffer_device=options.get("kv_buffer_device", "cpu"),
                                kv_load_failure_policy=options.get("kv_load_failure_policy", "recompute"),
                                kv_connector_extra_config=dict(options.get("kv_connector_extra_config") or {}))
-        super().__init__(model_dir, {**options, "llm_extra": {"kv_transfer_config": ktc}})
+        extra = {"kv_transfer_config": ktc}
+        # Heterogeneous TP (e.g. prefill 2 ranks, decode 1): vLLM's CPU backend runs TP ranks
+        # as processes over gloo/shared memory (distributed_executor_backend="mp").
+        for key in ("tensor_parallel_size", "distributed_executor_backend"):
+            if options.get(key) is not None:
+                extra[key] = options[key]
+        super().__init__(model_dir, {**options, "llm_extra": extra})
         vc = self.llm.llm_engine.vllm_config
         self.info.update({"kv_role": options["kv_role"], "engine_id": vc.kv_transfer_config.engine_id,
                           "kv_connector": vc.kv_transfer_config.kv_connector,

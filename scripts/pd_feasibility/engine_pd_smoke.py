@@ -44,6 +44,7 @@ def main() -> int:
     ap.add_argument("--prefill-block-size", type=int, default=None)
     ap.add_argument("--decode-block-size", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--prefill-tp", type=int, default=None, help="tensor_parallel_size of the prefill engine")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--ckpt-workaround", action="store_true",
@@ -53,7 +54,8 @@ def main() -> int:
     if a.ckpt_workaround:
         opts["mamba2_checkpoint_workaround"] = True
     t0 = time.monotonic()
-    pair = PdPair(a.model, opts, prefill_options={"block_size": a.prefill_block_size},
+    pair = PdPair(a.model, opts, prefill_options={"block_size": a.prefill_block_size,
+                                                  "tensor_parallel_size": a.prefill_tp},
                   decode_options={"block_size": a.decode_block_size})
     info = pair.start()
     print("started in %.1f s:" % (time.monotonic() - t0), json.dumps(info, default=str)[:2000], flush=True)

@@ -54,7 +54,11 @@ PROFILES: dict[str, dict] = {
                            {"mamba2_checkpoint_workaround": True}),
                           # Heterogeneous block sizes: vLLM's NixlConnector needs the decode
                           # block size to be a multiple of the prefill's (utils.py block_size_ratio).
-                          ("qwen3next-tiny-sharp", "pd-decode-bs256", ("pd",), {"pd_decode": {"block_size": 256}})]},
+                          ("qwen3next-tiny-sharp", "pd-decode-bs256", ("pd",), {"pd_decode": {"block_size": 256}}),
+                          # Heterogeneous TP: prefill on 2 ranks (gloo), decode on 1.  vLLM's CPU
+                          # workers cannot auto-bind 2 ranks on one NUMA node, hence one core each.
+                          ("qwen3next-tiny-sharp", "pd-prefill-tp2", ("pd",),
+                           {"pd_prefill": {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}})]},
     # CUDA: bf16 weights with the recurrent state in fp32 (what both engines
     # test with) and in bf16 (known to make cold and hit runs diverge); the
     # comparison is statistical there, since GPU kernels are batch-variant.

@@ -55,7 +55,10 @@ def main() -> int:
         opts["mamba2_checkpoint_workaround"] = True
     t0 = time.monotonic()
     pair = PdPair(a.model, opts, prefill_options={"block_size": a.prefill_block_size,
-                                                  "tensor_parallel_size": a.prefill_tp},
+                                                  "tensor_parallel_size": a.prefill_tp,
+                                                  # one core per rank: vLLM's CPU workers cannot auto-bind
+                                                  # 2 ranks on one NUMA node (AssertionError otherwise)
+                                                  "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if a.prefill_tp else None},
                   decode_options={"block_size": a.decode_block_size})
     info = pair.start()
     print("started in %.1f s:" % (time.monotonic() - t0), json.dumps(info, default=str)[:2000], flush=True)

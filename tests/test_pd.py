@@ -167,3 +167,16 @@ def test_prefill_and_decode_engines_move_one_prompt_over_nixl():
     assert out.decode_connector["external_tokens"] == len(prompt) - 1  # vLLM's Mamba backoff
     assert out.prefill_params["remote_num_tokens"] == len(prompt) - 1
     assert out.decode_connector["stats"].get("bytes_transferred", 0) > 0
+
+
+def test_pd_faults_are_planted_in_the_pair_only():
+    from conformance.engine.pd import PdEngine
+    from conformance.engine.pd_worker import PD_FAULTS
+    from conformance.engine.vllm_engine import VllmEngine
+    from conformance.engine.worker import FAULTS
+
+    assert set(PD_FAULTS) == {"pd-transfer-fails", "pd-failed-recv-as-finished", "pd-last-state-sent"}
+    assert set(PD_FAULTS) <= set(FAULTS)
+    opts = {"pd_fault": "pd-last-state-sent"}
+    assert PdEngine("m", "kv_consumer", opts)._worker_options()["fault"] == "pd-last-state-sent"
+    assert "fault" not in VllmEngine("m", True, opts)._worker_options()  # the single engines never see it

@@ -85,6 +85,8 @@ class PdEngine:
         opts = {k: self.options[k] for k in keys if self.options.get(k) is not None}
         opts["prefix_caching"] = bool(self.options.get("prefix_caching", True))
         opts["kv_role"] = self.role
+        if self.options.get("pd_fault"):  # a P/D fault or mutant (pd_worker.PD_FAULTS): the pair only
+            opts["fault"] = self.options["pd_fault"]
         if self.options.get("device", "cpu") != "cpu":
             # Two engines (and the references) share one GPU; the KV moves GPU to GPU.
             opts.setdefault("gpu_memory_utilization", 0.25)

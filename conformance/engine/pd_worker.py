@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from .worker import VllmHost
+from .worker import FAULTS, VllmHost
 
 
 class PdHost(VllmHost):
@@ -130,3 +130,66 @@ def _jsonable(x):
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     return str(x)
+
+
+# Faults planted in vLLM's P/D path on purpose (option ``fault``, applied in every engine of a
+# run; the references never carry them).  Runtime wrappers only: no vLLM code is copied.
+def _worker_class():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    return NixlBaseConnectorWorker
+
+
+def _fault_transfer_fails(every: int = 2) -> None:
+    """Environment fault: every ``every``-th READ the decode worker posts moves nothing and
+    NIXL reports it failed (``check_xfer_state`` -> "ERR").  vLLM must notice
+    (``failed_recving``) and, under ``kv_load_failure_policy="recompute"``, recompute: the
+    check must still pass, with ``pd_failed_loads`` > 0."""
+    cls = _worker_class()
+    init = cls.__init__
+
+    def wrapped_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        agent, failed, posted = self.nixl_wrapper, set(), [0]
+        transfer, check = agent.transfer, agent.check_xfer_state
+
+        def faulty_transfer(handle, *a, **kw):
+            posted[0] += 1
+            if posted[0] % every == 0:
+                failed.add(handle)
+                return "PROC"  # never posted: nothing lands
+            return transfer(handle, *a, **kw)
+
+        agent.transfer = faulty_transfer
+        agent.check_xfer_state = lambda handle: "ERR" if handle in failed else check(handle)
+
+    cls.__init__ = wrapped_init
+
+
+def _mutant_failed_recv_as_finished() -> None:
+    """Mutant (with the transfer-fails fault): vLLM's worker records a failed READ but does
+    not name its request as failed, so the request is reported as received and decodes from
+    blocks that were never written."""
+    _fault_transfer_fails()
+    cls = _worker_class()
+    handle_failed = cls._handle_failed_transfer
+
+    def forgetful(self, req_id, handle, failed_req_ids=None, record_failed_transfer=True):
+        return handle_failed(self, req_id, handle, None, record_failed_transfer)
+
+    cls._handle_failed_transfer = forgetful
+
+
+def _mutant_last_state_sent() -> None:
+    """Mutant: no prefill backoff for hybrid models.  The prefill computes all N prompt tokens
+    and sends the state after token N; the decode side still recomputes token N (vLLM
+    recomputes the last token of a full hit), so it applies the last token twice."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
+
+    NixlBaseConnectorScheduler._prefill_backoff = lambda self: 0
+
+
+PD_FAULTS = {"pd-transfer-fails": _fault_transfer_fails,
+             "pd-failed-recv-as-finished": _mutant_failed_recv_as_finished,
+             "pd-last-state-sent": _mutant_last_state_sent}
+FAULTS.update(PD_FAULTS)

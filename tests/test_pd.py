@@ -16,13 +16,13 @@ import random
 
 import pytest
 
-from conformance.engine.adapter import EngineError
 from conformance.engine.checks import Variant
-from conformance.engine.pd import PdOutput, _served
+from conformance.engine.pd import PdOutput, served_tokens
 from conformance.engine.pd_checks import pd_coverage, pd_workload
 from conformance.engine.trace import Trace
 from conformance.engine.workloads import Req, Size
-from conformance.results import CheckResult
+from conformance.errors import EngineError
+from conformance.results.records import CheckResult
 
 B = 16
 
@@ -42,9 +42,9 @@ def test_pd_workload_puts_the_transferred_prefix_on_both_sides_of_boundaries():
 
 def test_a_load_counts_only_when_it_completed_without_failure():
     ok = {"local_hit": 16, "external_tokens": 20, "recv_done": True, "recv_failed": False}
-    assert _served(ok) == 36
-    assert _served({**ok, "recv_failed": True}) == 16  # recompute policy: only the local hit served
-    assert _served({**ok, "recv_done": False}) == 16
+    assert served_tokens(ok) == 36
+    assert served_tokens({**ok, "recv_failed": True}) == 16  # recompute policy: only the local hit served
+    assert served_tokens({**ok, "recv_done": False}) == 16
     out = PdOutput((5,), (-1.0,), 36, decode_connector=ok)
     assert out.loaded and not PdOutput((5,), (-1.0,), 16, decode_connector={**ok, "recv_failed": True}).loaded
 
@@ -52,7 +52,7 @@ def test_a_load_counts_only_when_it_completed_without_failure():
 def _trace(conns, local_bounds=None):
     tr = Trace("engine-pd:m", "pd")
     tr.rounds = [[Req(f"r{i}", (3,) * 20, 2) for i in range(len(conns))]]
-    tr.outputs = [[PdOutput((5, 6), (-1.0, -1.0), _served(c), decode_connector=c) for c in conns]]
+    tr.outputs = [[PdOutput((5, 6), (-1.0, -1.0), served_tokens(c), decode_connector=c) for c in conns]]
     tr.bounds = [[19] * len(conns)]
     tr.local_bounds = local_bounds or [0] * len(conns)
     return tr

@@ -149,7 +149,7 @@ def engine_unavailable(options: dict | None = None, device: str = "cpu") -> str 
 
 def pd_unavailable(options: dict | None = None) -> str | None:
     """Why the P/D family (two engines over vLLM's NixlConnector) cannot run here."""
-    from .process import engine_python, python_has
+    from conformance.engine.process import engine_python, python_has
 
     py = engine_python(options)
     if not python_has(py, "nixl"):
@@ -183,7 +183,7 @@ def run_engine_checks(profile: str, seed: int, options: dict, progress=None,
         if "pd" in v.families:
             why = pd_unavailable(options)
             if why:  # the P/D family needs nixl beside vLLM; the rest of the variant still runs
-                from .checks import Variant
+                from conformance.engine.checks import Variant
 
                 results += _skipped([Variant(v.model, v.variant, ("pd",), v.options)], why)
                 v = Variant(v.model, v.variant, tuple(f for f in v.families if f != "pd"), v.options)

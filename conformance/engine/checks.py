@@ -320,7 +320,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
             small.engine.close()
 
     if "pd" in v.families:
-        from .pd_checks import run_pd_trace
+        from conformance.engine.pd_checks import run_pd_trace
 
         cid = check_id("pd", v)
         say(f"{cid}: running on a prefill engine and a decode engine (NixlConnector)")
@@ -379,7 +379,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
             continue
         results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements))
         if tr.family == "pd":
-            from .pd_checks import pd_coverage
+            from conformance.engine.pd_checks import pd_coverage
 
             pd_coverage(results[-1], tr)
     info["measurements"] = {**agreement, **measurements}

@@ -21,12 +21,13 @@ not an answer to the prompt.
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from .adapter import EngineError, EngineInfo, EngineOutput
-from .process import WorkerProcess, engine_python
-from .vllm_engine import CALL_TIMEOUT, CPU_ENV, STARTUP_TIMEOUT
+from conformance.engine.adapter import EngineInfo, EngineOutput
+from conformance.engine.process import WorkerProcess, engine_python
+from conformance.engine.vllm_engine import CALL_TIMEOUT, CPU_ENV, STARTUP_TIMEOUT
+from conformance.errors import EngineError
 
 # What vLLM's toy proxy sends to the prefill instance.
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -169,7 +170,7 @@ class PdPair:
         params = [o["kv_transfer_params"] for o in pre]
         self.transfers += sum(1 for x in params if x)
         dec = self.decode.generate(prompts, max_tokens, params)
-        return [PdOutput(tuple(o["tokens"]), tuple(o["logprobs"]), _served(o.get("connector") or {}),
+        return [PdOutput(tuple(o["tokens"]), tuple(o["logprobs"]), served_tokens(o.get("connector") or {}),
                          reported_cached=o["cached"], prefill_params=pp,
                          prefill_cached=po["cached"], prefill_tokens=tuple(po["tokens"]),
                          decode_connector=o.get("connector") or {})
@@ -189,7 +190,7 @@ class PdPair:
         self.info = None
 
 
-def _served(c: dict) -> int:
+def served_tokens(c: dict) -> int:
     """Prompt tokens the decode engine did not compute: its local hit plus a completed load."""
     local = int(c.get("local_hit") or 0)
     loaded = c.get("recv_done") and not c.get("recv_failed")

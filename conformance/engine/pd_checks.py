@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import random
 
-from ..results import Failure
-from .adapter import EngineError
-from .pd import PdPair
-from .trace import CachedEngine, Trace, run_workload
-from .workloads import Req, Size, Workload, _toks, boundary_offsets
+from conformance.engine.pd import PdPair
+from conformance.engine.trace import CachedEngine, Trace, run_workload
+from conformance.engine.workloads import Req, Size, Workload, _toks, boundary_offsets
+from conformance.errors import EngineError
+from conformance.results.records import Failure
 
 DESCRIPTION = ("prefill on a kv_producer engine, decode on a kv_consumer engine, KV and recurrent state "
                "moved by vLLM's NixlConnector (UCX, loopback): prompts ending mid-block and on a boundary, "

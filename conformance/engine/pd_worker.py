@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from .worker import FAULTS, VllmHost
+from conformance.engine.worker import FAULTS, VllmHost
 
 
 class PdHost(VllmHost):

@@ -153,7 +153,7 @@ def main() -> None:
                     opts.setdefault("dtype", fixture.dtype)
                     host = VllmHost(model_dir, opts)
                 elif msg["kind"] == "vllm-pd":  # one side of a prefill/decode pair (pd_worker.py)
-                    from .pd_worker import PdHost
+                    from conformance.engine.pd_worker import PdHost
 
                     opts.setdefault("dtype", fixture.dtype)
                     host = PdHost(model_dir, opts)

@@ -61,18 +61,19 @@ def main() -> int:
     if a.ckpt_workaround:
         opts["mamba2_checkpoint_workaround"] = True
     t0 = time.monotonic()
-    pair = PdPair(a.model, opts, prefill_options={"block_size": a.prefill_block_size,
-                                                  "tensor_parallel_size": a.prefill_tp,
-                                                  # one core per rank: vLLM's CPU workers cannot auto-bind
-                                                  # 2 ranks on one NUMA node (AssertionError otherwise)
-                                                  "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if a.prefill_tp else None},
+    # One core per rank: vLLM's CPU workers cannot auto-bind 2 ranks on one NUMA node.
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if a.prefill_tp else None
+    pair = PdPair(a.model, opts,
+                  prefill_options={"block_size": a.prefill_block_size, "tensor_parallel_size": a.prefill_tp,
+                                   "env": bind},
                   decode_options={"block_size": a.decode_block_size})
     info = pair.start()
     print("started in %.1f s:" % (time.monotonic() - t0), json.dumps(info, default=str)[:2000], flush=True)
     prompt = [3 + (i * 7919) % 250 for i in range(a.prompt_len)]
     out = pair.generate([prompt], a.max_tokens)[0]
     print("prefill kv_transfer_params:", json.dumps(out.prefill_params, default=str))
-    print("decode: tokens", out.tokens, "logprobs", [round(x, 4) for x in out.logprobs], "cached (prefill-side hit, as vLLM reports it)", out.cached_tokens)
+    print("decode: tokens", out.tokens, "logprobs", [round(x, 4) for x in out.logprobs],
+          "served without computing", out.cached_tokens, "num_cached_tokens as vLLM reports it", out.reported_cached)
     print("decode connector:", json.dumps(out.decode_connector))
     ok = out.loaded
     if not a.no_reference:

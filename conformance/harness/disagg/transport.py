@@ -76,6 +76,10 @@ class Transport:
         self._submitted += 1
         self.stats["transfers"] += 1
 
+    def arm(self, kind: str) -> None:
+        """Fire ``kind`` on the next transfer submitted (a state-machine rule's way in)."""
+        self.faults += (FaultSpec(kind, self._submitted),)
+
     def in_flight(self) -> tuple[int, ...]:
         return tuple(f.transfer.id for f in self._flights)
 

@@ -34,19 +34,33 @@ def wait_done(agent, handle, deadline_s: float = POLL_DEADLINE_S) -> None:
 
 
 def serve(conn, shared_path: str, nbytes: int) -> None:
-    import torch
+    # No torch here: the mapping is plain mmap and NIXL gets (address, length, device, meta)
+    # tuples, so the peer starts in well under a second (torch's import alone takes seconds).
+    import mmap
+    import os
+
+    import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
-    buf = torch.from_file(shared_path, shared=True, size=nbytes, dtype=torch.uint8)
-    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))
-    agent.register_memory(buf)
-    base = buf.data_ptr()
+    fd = os.open(shared_path, os.O_RDWR)
+    mapping = mmap.mmap(fd, nbytes)
+    os.close(fd)
+    buf = np.frombuffer(mapping, dtype=np.uint8)
+    base = buf.ctypes.data
+    agent = nixl_agent("decode", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    agent.register_memory([(base, nbytes, 0, "")], "DRAM")
     conn.send(("ready", agent.get_agent_metadata(), base))
     remote, remote_base = None, 0
+    inbox: list[bytes] = []
     while True:
+        # No progress thread (its busy polling starves the harness's torch threads on a small
+        # machine): between commands this loop progresses UCX itself, every millisecond.
         try:
+            while not conn.poll(0.001):
+                if remote is not None:
+                    inbox.extend(m for msgs in agent.get_new_notifs().values() for m in msgs)
             cmd, *args = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return
         try:
             if cmd == "peer":
@@ -65,8 +79,9 @@ def serve(conn, shared_path: str, nbytes: int) -> None:
                     agent.release_xfer_handle(h)
                 conn.send(("ok",))
             elif cmd == "notifs":
-                got = agent.get_new_notifs()
-                conn.send(("ok", [m for msgs in got.values() for m in msgs]))
+                inbox.extend(m for msgs in agent.get_new_notifs().values() for m in msgs)
+                conn.send(("ok", inbox))
+                inbox = []
             elif cmd == "stop":
                 conn.send(("ok",))
                 return

@@ -51,7 +51,9 @@ class NixlTransport(Transport):
 
         if not self.decode.shared_path:
             raise ValueError("the NIXL transport needs the decode memory in a shared-memory file")
-        self.agent = nixl_agent("prefill", nixl_agent_config(backends=["UCX"]))
+        # No progress thread: it busy-polls a core, which starves the harness's own torch
+        # threads on a small machine; this agent progresses when it posts and polls.
+        self.agent = nixl_agent("prefill", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.register_memory(self.prefill.buf)
         self.base = self.prefill.buf.data_ptr()
         self.proc = None

@@ -18,6 +18,7 @@ Every notice and every fault event names the transport that ran.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from .contract import ChunkNotice, Descriptor, DisaggTransfer, Handshake, TransferNotice
@@ -26,7 +27,10 @@ from .geometry import WorkerGeometry
 from .ledger import ChunkLedger, digest
 from .worker_memory import WorkerMemory
 
-NOTIFY_POLLS = 200  # polls of the target's notifications before a chunk counts as unnotified (cma is synchronous)
+# How long the decode side waits for a chunk's notification after the post completed.  With
+# UCX's cma a post completes synchronously and the notification follows within milliseconds;
+# NIXL itself has no timeout, so without this a lost notification would hang the receiver.
+NOTIFY_DEADLINE_S = 2.0
 
 
 class TransferError(Exception):
@@ -195,10 +199,13 @@ class Transport:
     def _wait_notified(self, op: str, tag: bytes) -> bool:
         if op == "READ":
             return True  # the decode side initiated: its own completion status is the news
-        for _ in range(NOTIFY_POLLS):
+        stop = time.monotonic() + NOTIFY_DEADLINE_S
+        while True:
             if self._notified(tag):
                 return True
-        return False
+            if time.monotonic() > stop:
+                return False
+            time.sleep(0.0005)
 
     def _recover(self) -> None:
         """After a failed handle: make the next transfer possible (a new peer, ...)."""

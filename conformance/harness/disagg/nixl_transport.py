@@ -58,6 +58,7 @@ class NixlTransport(Transport):
         self.base = self.prefill.buf.data_ptr()
         self.proc = None
         self.spawns = 0
+        self.prefill_notifs: list[bytes] = []  # what the prefill agent was told (READs' notifications)
         self._seen: set[bytes] = set()
         self._spawn()
 
@@ -82,6 +83,12 @@ class NixlTransport(Transport):
 
     def _reply(self):
         try:
+            # While the peer works (a READ it initiated needs this side's UCX worker too),
+            # progress our agent; READ notifications land here, the prefill side.
+            while not self.conn.poll(0.0005):
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise EOFError
+                self.prefill_notifs.extend(m for msgs in self.agent.get_new_notifs().values() for m in msgs)
             msg = self.conn.recv()
         except (EOFError, OSError) as e:
             raise TransferError("PeerDied", f"decode peer process gone ({type(e).__name__})") from None

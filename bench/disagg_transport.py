@@ -33,7 +33,7 @@ from conformance.harness.disagg.reference import ReferenceDisagg, _Req
 from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.workers import build_workers, make_transport
 from conformance.model import ModelConfig, TinyHybrid
-from conformance.oracle import Oracle
+from conformance.harness.oracle import Oracle
 
 
 def request_descriptors(w) -> tuple[tuple[Descriptor, ...], tuple[Descriptor, ...]]:

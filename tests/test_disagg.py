@@ -21,7 +21,7 @@ from conformance.harness.disagg.reference import ReferenceDisagg
 from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.worker_memory import WorkerMemory
 from conformance.harness.disagg.workers import build_workers, make_transport
-from conformance.session import ConformanceFailure
+from conformance.errors import ConformanceFailure
 
 NO_NIXL = nixl_available()
 needs_nixl = pytest.mark.skipif(NO_NIXL is not None, reason=f"real NIXL unavailable: {NO_NIXL}")
@@ -154,15 +154,14 @@ def test_killed_peer_reports_disconnect_and_next_transfer_works(model, oracle):
 
 # -- mutants --------------------------------------------------------------------------------------
 def _disagg_mutants():
-    from fault_injection.registry import MUTANTS, _load_builtin
+    from fault_injection.catalog import all_mutants
 
-    _load_builtin()
-    return sorted(n for n, m in MUTANTS.items() if m.target == "reference-disagg")
+    return sorted(n for n, m in all_mutants().items() if m.target == "reference-disagg")
 
 
 @pytest.mark.parametrize("name", _disagg_mutants())
 def test_general_scenario_catches_each_mutant_in_some_pairing(model, oracle, name):
-    from fault_injection.registry import get_mutant
+    from fault_injection.catalog import get_mutant
 
     factory = get_mutant(name).wrap(ReferenceDisagg)
     caught = []
@@ -176,7 +175,7 @@ def test_general_scenario_catches_each_mutant_in_some_pairing(model, oracle, nam
 def test_stale_tail_names_the_request_whose_bytes_leaked(model, oracle):
     """Once decode pages are reused, an unzeroed tail holds finite bytes of an
     earlier request: the logits survive (weight 0), the byte audit does not."""
-    from fault_injection.registry import get_mutant
+    from fault_injection.catalog import get_mutant
 
     factory = get_mutant("tail-not-zeroed").wrap(ReferenceDisagg)
     s = DisaggSession(factory(ImplConfig(options=ops.PAIRINGS["2to1"])), model, oracle, "inprocess")

@@ -8,17 +8,17 @@ worker-tagged request step on its worker's memory -- and judged: logits
 against the no-cache oracle at every computed position, and on the decode
 side every byte read audited against provenance.  Notices reach the
 implementation in the same step's result.  The first problem raises
-:class:`conformance.session.ConformanceFailure` with the transport named.
+:class:`conformance.errors.ConformanceFailure` with the transport named.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conformance.contract import ContractError, Request
+from conformance.contract import Request
+from conformance.errors import ConformanceFailure, ContractError
 from conformance.model import TinyHybrid
-from conformance.oracle import TOLERANCE, Oracle
-from conformance.session import ConformanceFailure
+from conformance.harness.oracle import TOLERANCE, Oracle
 
 from .contract import DECODE, PREFILL, DisaggLayouts, DisaggPlan, DisaggResult
 from .faults import FaultSpec

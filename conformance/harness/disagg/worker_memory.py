@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from conformance.contract import ContractError
+from conformance.errors import ContractError
 from conformance.model import RecState
 
 from .geometry import KV_ITEM, PARTS, WorkerGeometry

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from conformance.contract import ContractError, RequestStep
+from conformance.contract import RequestStep
+from conformance.errors import ContractError
 from conformance.model import TinyHybrid
 
 from .audit import audit_kv, audit_state, audit_tail

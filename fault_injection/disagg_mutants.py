@@ -16,6 +16,12 @@ TARGET = "reference-disagg"
 
 
 def _subclass(factory, name: str, **methods):
+    """The buggy ReferenceDisagg; given an implementation whose disaggregated mode
+    is a ReferenceDisagg (the reference cache's ``disagg_factory``), that
+    implementation with the buggy mode."""
+    inner = getattr(factory, "disagg_factory", None)
+    if isinstance(inner, type) and issubclass(inner, ReferenceDisagg) and not issubclass(factory, ReferenceDisagg):
+        return type(f"{factory.__name__}[{name}]", (factory,), {"disagg_factory": _subclass(inner, name, **methods)})
     if not (isinstance(factory, type) and issubclass(factory, ReferenceDisagg)):
         raise TypeError(f"mutant {name} applies to the reference disaggregated implementation only")
     return type(f"{factory.__name__}[{name}]", (factory,), methods)

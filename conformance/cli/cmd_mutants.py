@@ -49,7 +49,9 @@ def mutants_for(impl: str) -> list:
         factory = resolve(impl)
         if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
             return []
-    return [m for m in MUTANTS.values() if m.target == target]
+    # The reference's disaggregated mode has its own mutants, caught by the disagg family.
+    targets = {target, "reference-disagg"} if target == "reference" else {target}
+    return [m for m in MUTANTS.values() if m.target in targets]
 
 
 def select(mutants: list, only: str) -> list:

@@ -90,3 +90,11 @@ PAIRINGS = {
 # prefix hit, decode continuing while other transfers are in flight.
 GENERAL = (Submit("r0", 33, shared=33), Step(), Submit("r1", 18), ArmFault("kill-peer"), Drain(),
            Submit("r2", 40, shared=40), Submit("r3", 32), Drain())
+
+# Names in repro files (conformance.harness.ops registers them).
+OP_TYPES: dict[str, type] = {"disagg-submit": Submit, "disagg-step": Step, "disagg-drain": Drain,
+                             "disagg-abort": Abort, "disagg-fault": ArmFault}
+
+
+def is_disagg(op) -> bool:
+    return type(op) in OP_TYPES.values()

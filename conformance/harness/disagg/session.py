@@ -48,6 +48,7 @@ class DisaggSession:
     oracle: Oracle
     transport: str = "auto"
     faults: tuple[FaultSpec, ...] = ()
+    workers: Workers | None = None  # reuse built workers (memory and transport; never cleared)
     coverage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     log: list[str] = field(default_factory=list)
 
@@ -56,8 +57,13 @@ class DisaggSession:
             if not callable(getattr(self.impl, m, None)):
                 raise TypeError(f"{type(self.impl).__name__} is not a disaggregated implementation: no {m}()")
         self.layouts: DisaggLayouts = self.impl.disagg_layouts()
-        tr, self.transport_why = make_transport(self.transport, self.faults)
-        self.workers: Workers = build_workers(self.layouts, self.model.config, tr)
+        self._own_workers = self.workers is None
+        if self.workers is None:
+            tr, self.transport_why = make_transport(self.transport, self.faults)
+            self.workers = build_workers(self.layouts, self.model.config, tr)
+        else:
+            tr, self.transport_why = self.workers.transport, "reused"
+            tr.reset()
         self.transport_name = tr.name
         self.impl.connect(self.workers.handshake)
         self.tracks: dict[str, _Track] = {}
@@ -71,7 +77,8 @@ class DisaggSession:
         return self.workers.transport.events
 
     def close(self) -> None:
-        self.workers.close()
+        if self._own_workers:
+            self.workers.close()
 
     def fail(self, kind: str, message: str):
         raise ConformanceFailure(kind, f"[{self.transport_name}] {message}")

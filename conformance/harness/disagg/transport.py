@@ -84,6 +84,13 @@ class Transport:
         """Fire ``kind`` on the next transfer submitted (a state-machine rule's way in)."""
         self.faults += (FaultSpec(kind, self._submitted),)
 
+    def reset(self) -> None:
+        """Forget transfers in flight and armed faults (a new session on the same memory)."""
+        self._flights.clear()
+        self._held.clear()
+        self.faults = tuple(f for f in self.faults if f.kind == "dtype-mismatch")
+        self._submitted = 0
+
     def in_flight(self) -> tuple[int, ...]:
         return tuple(f.transfer.id for f in self._flights)
 

@@ -29,17 +29,17 @@ import torch
 from conformance.contract import ImplConfig
 from conformance.harness.disagg import ops
 from conformance.harness.disagg.contract import DECODE, PREFILL, Descriptor, DisaggLayouts, DisaggTransfer, WorkerLayout
-from conformance.harness.disagg.reference import ReferenceDisagg, _Req
+from conformance.harness.disagg.reference import DisaggRequest, ReferenceDisagg
 from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.workers import build_workers, make_transport
-from conformance.model import ModelConfig, TinyHybrid
 from conformance.harness.oracle import Oracle
+from conformance.model import ModelConfig, TinyHybrid
 
 
 def request_descriptors(w) -> tuple[tuple[Descriptor, ...], tuple[Descriptor, ...]]:
     ref = ReferenceDisagg(ImplConfig(options=ops.PAIRINGS["2to1"]))
     ref.P, ref.D = w.prefill.geometry, w.decode.geometry
-    r = _Req("bench", [0] * 64, 64, 1, p_blocks=[0, 1, 2, 3], d_blocks=[0, 1])
+    r = DisaggRequest("bench", [0] * 64, 64, 1, p_blocks=[0, 1, 2, 3], d_blocks=[0, 1])
     return ref.kv_descriptors(r, 63), ref.state_descriptors(4, 2)
 
 
@@ -105,7 +105,8 @@ def main() -> None:
     results = {k: measure(k, a.repeat, a.big_mib, model, oracle) for k in ("inprocess", "nixl")}
     base, nixl = results["inprocess"], results["nixl"]
     print(f"transports: {base['name']}  |  {nixl['name']} ({nixl['why']})")
-    print(f"{'measurement':24} {'descs':>5} {'in-process/s':>13} {'MiB/s':>9} {'NIXL/s':>10} {'MiB/s':>9} {'NIXL/in-proc':>12}")
+    print(f"{'measurement':24} {'descs':>5} {'in-process/s':>13} {'MiB/s':>9} {'NIXL/s':>10} {'MiB/s':>9} "
+          f"{'NIXL/in-proc':>12}")
     for row in ("wire request WRITE", "wire request READ", "wire 1 range WRITE", "harness request"):
         (bt, bb, nd), (nt, nb, _) = base[row], nixl[row]
         print(f"{row:24} {nd:5d} {bt:13.1f} {bb / 2**20:9.1f} {nt:10.1f} {nb / 2**20:9.1f} {nt / bt:12.2f}")

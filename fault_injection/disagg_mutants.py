@@ -104,7 +104,8 @@ def failed_receive_as_success(factory):
         return True
 
     def _give_up(self, r, why):
-        self.transfers.pop(r.transfer_id, None)
+        if r.transfer_id is not None:
+            self.transfers.pop(r.transfer_id, None)
         r.transfer_id = None
         r.phase = "decode"
         self._release_prefill(r)

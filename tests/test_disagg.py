@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conformance.contract import ImplConfig
+from conformance.errors import ConformanceFailure
 from conformance.harness.disagg import ops
 from conformance.harness.disagg.contract import DECODE, PREFILL, Descriptor, DisaggLayouts, DisaggTransfer, WorkerLayout
 from conformance.harness.disagg.faults import FAULT_KINDS, FaultSpec
@@ -21,7 +22,6 @@ from conformance.harness.disagg.reference import ReferenceDisagg
 from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.worker_memory import WorkerMemory
 from conformance.harness.disagg.workers import build_workers, make_transport
-from conformance.errors import ConformanceFailure
 
 NO_NIXL = nixl_available()
 needs_nixl = pytest.mark.skipif(NO_NIXL is not None, reason=f"real NIXL unavailable: {NO_NIXL}")

@@ -38,6 +38,10 @@ CHECKS: tuple[CheckSpec, ...] = (
               "states cached only at declared checkpoints; second-hit admission never admits a first sighting",
               frozenset({"continue", "step"}), ("checkpoints_offered", "admissions"),
               options={"interval": 8, "admission": "second-hit"}, observe=("retention",)),
+    CheckSpec("retention-hit-rate", "hit-rate",
+              "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
+              frozenset({"continue", "step"}), ("checkpoints_offered", "state_lookups", "prefix_hits"),
+              options={"interval": 8}, observe=("hit-rate",)),
     # Prefill on one worker, decode on another, heterogeneous layouts, a real
     # transfer between them (NIXL when it imports); see conformance/suite/disagg.py.
     CheckSpec("disagg-transfer", "disagg",
@@ -45,10 +49,6 @@ CHECKS: tuple[CheckSpec, ...] = (
               "prefix hits before transfer, decode continuing while other transfers are in flight",
               frozenset(), ("pairing_2to1", "pairing_1to2", "mid_block_prompt_ends", "state_shards_transferred",
                             "transfers_verified", "prefill_hits", "in_flight_reuse"), disagg=True),
-    CheckSpec("retention-hit-rate", "hit-rate",
-              "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
-              frozenset({"continue", "step"}), ("checkpoints_offered", "state_lookups", "prefix_hits"),
-              options={"interval": 8}, observe=("hit-rate",)),
 )
 
 MIXED = mixed()

@@ -132,7 +132,7 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
                 workers[pairing] = build_workers(impl.disagg_layouts(), model.config, tr)
                 name = tr.name
             ops = generate(rng, steps, e)
-            session = DisaggSession(impl, model, oracle, kind, workers=workers[pairing])
+            session = DisaggSession(impl, model, oracle, kind, reuse=workers[pairing])
             session.applied = 0
             ran += 1
             try:
@@ -178,3 +178,33 @@ def _minimize(failure: Failure, dfactory, config, model, oracle, ops, kind, mini
     exc, _ = replay_fails(dfactory, config, model, oracle, best, kind)
     failure.steps = [op_to_dict(o) for o in best]
     failure.message = str(exc)
+
+
+def replay_disagg(repro, factory, model, outcome):
+    """Replay a disagg repro on fresh workers (transport as in a run: NIXL when it imports)."""
+    from conformance.errors import ReproFormatError, UsageError
+    from conformance.harness.oracle import Oracle
+
+    dfactory = disagg_factory_of(factory)
+    if dfactory is None:
+        raise UsageError(f"{outcome.impl} has no disaggregated mode; this repro needs one")
+    if not all(dops.is_disagg(op) for op in repro.steps):
+        raise ReproFormatError("steps: disagg operations cannot mix with single-worker ones")
+    session = DisaggSession(dfactory(repro.impl_config), model, Oracle(model), transport_kind())
+    outcome.notes.append(f"transport: {session.transport_name} ({session.transport_why})")
+    session.applied = 0
+    try:
+        apply_all(session, list(repro.steps))
+        outcome.applied = len(repro.steps)
+    except ConformanceFailure as exc:
+        outcome.reproduced = True
+        outcome.kind = exc.kind
+        outcome.message = str(exc)
+        outcome.failed_at = session.applied
+        outcome.applied = session.applied
+    finally:
+        session.close()
+    outcome.coverage = dict(session.coverage)
+    outcome.notes += [f"fault {e.fault} fired on transfer {e.transfer_id} ({e.request_id}): {e.where}"
+                      for e in session.events]
+    return outcome

@@ -26,7 +26,7 @@ def audit_kv(mem: WorkerMemory, table: tuple[int, ...], seq: tuple[int, ...], n:
         for off in range(min(B, n - bi * B)):
             pos = bi * B + off
             want = seq[: pos + 1]
-            bad = _first_bad(prov[:, off, :], lambda v: (lab := mem.labels.get(v)) is not None
+            bad = _first_bad(prov[:, off, :], lambda v, want=want: (lab := mem.labels.get(v)) is not None
                              and lab.kind == "kv" and lab.tokens == want)
             if bad is not None:
                 return (f"KV position {pos} in {mem.where(mem.geometry.kv_offset(table[bi], 0, 0, off))} "
@@ -41,7 +41,8 @@ def audit_state(mem: WorkerMemory, slot: int, prefix: tuple[int, ...]) -> str | 
                          and lab.kind == "state" and lab.tokens == prefix)
         if bad is not None:
             at = off + int((ids == bad).nonzero()[0, 0])
-            return f"{mem.where(at)} holds {mem.labels.describe(bad, prefix)} (wanted the state after {len(prefix)} tokens)"
+            return (f"{mem.where(at)} holds {mem.labels.describe(bad, prefix)} "
+                    f"(wanted the state after {len(prefix)} tokens)")
     return None
 
 

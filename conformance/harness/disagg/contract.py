@@ -19,9 +19,12 @@ pairs source and destination ranges element-wise, each pair of equal length
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from conformance.contract import RequestStep
+
+if TYPE_CHECKING:
+    from .geometry import WorkerGeometry
 
 PREFILL, DECODE = "prefill", "decode"
 WORKERS = (PREFILL, DECODE)
@@ -154,6 +157,6 @@ class Handshake:
     the bytes.  A receiver must compare what it is told (dtype, shard counts)
     with its own layout before trusting a single byte."""
 
-    prefill: "object"  # WorkerGeometry
-    decode: "object"  # WorkerGeometry
+    prefill: WorkerGeometry
+    decode: WorkerGeometry
     transport: str

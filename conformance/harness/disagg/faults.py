@@ -40,7 +40,7 @@ class FaultSpec:
             raise ValueError(f"unknown transfer fault {self.kind!r}; known: {', '.join(FAULT_KINDS)}")
 
     @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
+    def parse(cls, text: str) -> FaultSpec:
         """``kind`` or ``kind@N`` (fires on the N-th transfer, 0-based)."""
         kind, _, at = text.partition("@")
         try:

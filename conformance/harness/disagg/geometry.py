@@ -47,7 +47,7 @@ class WorkerGeometry:
     conv_rows: int  # conv_width - 1: the inputs a conv state remembers
 
     @classmethod
-    def of(cls, layout: WorkerLayout, model: ModelConfig) -> "WorkerGeometry":
+    def of(cls, layout: WorkerLayout, model: ModelConfig) -> WorkerGeometry:
         if model.rec_heads % layout.state_shards:
             raise ValueError(f"{layout.worker}: {model.rec_heads} recurrent heads do not split "
                              f"into {layout.state_shards} shards")

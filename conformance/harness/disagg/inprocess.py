@@ -6,7 +6,7 @@ next post with a disconnect error) and copies bytes with torch."""
 from __future__ import annotations
 
 from .contract import Descriptor
-from .transport import Transport, TransferError
+from .transport import TransferError, Transport
 
 
 class InProcessTransport(Transport):

@@ -40,7 +40,7 @@ def serve(conn, shared_path: str, nbytes: int) -> None:
     import os
 
     import numpy as np
-    from nixl._api import nixl_agent, nixl_agent_config
+    from nixl import nixl_agent, nixl_agent_config
 
     fd = os.open(shared_path, os.O_RDWR)
     mapping = mmap.mmap(fd, nbytes)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .contract import Descriptor
 from .nixl_peer import _descs, wait_done
-from .transport import Transport, TransferError
+from .transport import TransferError, Transport
 
 SPAWN_TIMEOUT_S = 120.0
 
@@ -36,7 +36,7 @@ SPAWN_TIMEOUT_S = 120.0
 def nixl_available() -> str | None:
     """None when NIXL imports; else why not (one line)."""
     try:
-        import nixl._api  # noqa: F401
+        import nixl  # noqa: F401  (picks its CUDA-or-not build on import)
     except Exception as e:  # ImportError, or a broken CUDA wheel probe
         return f"nixl does not import: {type(e).__name__}: {e}"
     return None
@@ -47,7 +47,7 @@ class NixlTransport(Transport):
     needs_shared_decode = True
 
     def _connect(self) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import nixl_agent, nixl_agent_config
 
         if not self.decode.shared_path:
             raise ValueError("the NIXL transport needs the decode memory in a shared-memory file")
@@ -56,13 +56,14 @@ class NixlTransport(Transport):
         self.agent = nixl_agent("prefill", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.register_memory(self.prefill.buf)
         self.base = self.prefill.buf.data_ptr()
-        self.proc = None
+        self.proc: subprocess.Popen | None = None
         self.spawns = 0
         self.prefill_notifs: list[bytes] = []  # what the prefill agent was told (READs' notifications)
         self._seen: set[bytes] = set()
         self._spawn()
 
     def _spawn(self) -> None:
+        assert self.decode.shared_path is not None
         ours, theirs = socket.socketpair()
         root = str(Path(__file__).resolve().parents[3])  # this checkout's conformance package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -130,6 +131,7 @@ class NixlTransport(Transport):
         return False
 
     def _kill_peer(self) -> str:
+        assert self.proc is not None
         pid = self.proc.pid
         os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)

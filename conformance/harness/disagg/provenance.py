@@ -21,7 +21,8 @@ ZERO = 0
 
 @dataclass(frozen=True)
 class Label:
-    kind: str  # "kv" (one position), "state" (a state after ``tokens``), "corrupt" (bytes that differ from what was sent)
+    # "kv" (one position), "state" (a state after ``tokens``), "corrupt" (bytes that differ from what was sent)
+    kind: str
     request_id: str
     tokens: tuple[int, ...]
     note: str = ""
@@ -50,6 +51,7 @@ class Labels:
         if label_id == ZERO:
             return "zeroed"
         lab = self._labels[label_id]
+        assert lab is not None
         what = {"kv": f"KV at position {len(lab.tokens) - 1}", "state": f"state after {len(lab.tokens)} tokens",
                 "corrupt": "bytes that differ from what was sent"}[lab.kind]
         text = f"{what} of request {lab.request_id}"

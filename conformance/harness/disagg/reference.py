@@ -33,8 +33,19 @@ from dataclasses import dataclass, field
 
 from conformance.contract import FRESH, RESUME, ImplConfig, Request, RequestStep, copy_from
 
-from .contract import (DECODE, PREFILL, DisaggLayouts, DisaggPlan, DisaggResult, DisaggTransfer, Descriptor,
-                       Handshake, TransferNotice, WorkerLayout, ZeroRegion)
+from .contract import (
+    DECODE,
+    PREFILL,
+    Descriptor,
+    DisaggLayouts,
+    DisaggPlan,
+    DisaggResult,
+    DisaggTransfer,
+    Handshake,
+    TransferNotice,
+    WorkerLayout,
+    ZeroRegion,
+)
 from .geometry import PARTS, WorkerGeometry
 
 DEFAULTS = {"prefill_block": 16, "decode_block": 32, "prefill_shards": 2, "decode_shards": 1,
@@ -43,7 +54,7 @@ DEFAULTS = {"prefill_block": 16, "decode_block": 32, "prefill_shards": 2, "decod
 
 
 @dataclass
-class _Req:
+class DisaggRequest:
     rid: str
     tokens: list[int]
     prompt_len: int
@@ -83,14 +94,14 @@ class ReferenceDisagg:
         self.layouts = DisaggLayouts(
             WorkerLayout(PREFILL, opts["prefill_block"], opts["prefill_pages"], opts["prefill_shards"]),
             WorkerLayout(DECODE, opts["decode_block"], opts["decode_pages"], opts["decode_shards"]))
-        self.P: WorkerGeometry | None = None
-        self.D: WorkerGeometry | None = None
+        self.P: WorkerGeometry  # set by connect(): what the metadata exchange said
+        self.D: WorkerGeometry
         self.refused = ""
         self.ppool = Pool(opts["prefill_pages"])
         self.dpool = Pool(opts["decode_pages"])
         # prefill prefix cache: key (token prefix) -> [page, refcount]; LRU order
         self.cache: OrderedDict[tuple, list] = OrderedDict()
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, DisaggRequest] = {}
         self.next_transfer = 1
         self.transfers: dict[int, str] = {}  # transfer id -> request id
 
@@ -118,7 +129,7 @@ class ReferenceDisagg:
     def add_request(self, r: Request) -> None:
         if r.request_id in self.reqs:
             raise ValueError(f"request {r.request_id} already running")
-        self.reqs[r.request_id] = _Req(r.request_id, list(r.prompt), len(r.prompt), r.max_new_tokens)
+        self.reqs[r.request_id] = DisaggRequest(r.request_id, list(r.prompt), len(r.prompt), r.max_new_tokens)
 
     def abort(self, rid: str) -> None:
         r = self.reqs.pop(rid, None)
@@ -145,7 +156,9 @@ class ReferenceDisagg:
 
     # -- schedule --------------------------------------------------------------------------
     def schedule(self, budget: int = 1 << 30) -> DisaggPlan:
-        steps, transfers, zero = [], [], []
+        steps: list[RequestStep] = []
+        transfers: list[DisaggTransfer] = []
+        zero: list[ZeroRegion] = []
         for r in list(self.reqs.values()):
             if r.phase == "prefill":
                 self._plan_prefill(r, steps, zero)
@@ -159,16 +172,25 @@ class ReferenceDisagg:
                 self._plan_decode(r, steps, zero)
         return DisaggPlan(tuple(steps), tuple(transfers), tuple(zero))
 
-    def _target(self, r: _Req) -> int:
+    def _target(self, r: DisaggRequest) -> int:
         """Tokens the prefill side computes and transfers."""
         return r.prompt_len - 1 if self.opts["stop_at_n_minus_1"] else r.prompt_len
 
     # prefill ------------------------------------------------------------------------------
-    def _take_p(self) -> int | None:
+    def _take_p(self) -> int:
+        """A prefill page (evicting unreferenced cache entries); callers checked there is one."""
         page = self.ppool.take()
         while page is None and self._evict_one():
             page = self.ppool.take()
+        if page is None:
+            raise RuntimeError("prefill pages exhausted after the availability check")
         return page
+
+    def _try_take_p(self) -> int | None:
+        try:
+            return self._take_p()
+        except RuntimeError:
+            return None
 
     def _evict_one(self) -> bool:
         for key, (page, ref) in self.cache.items():
@@ -178,7 +200,7 @@ class ReferenceDisagg:
                 return True
         return False
 
-    def _plan_prefill(self, r: _Req, steps, zero) -> None:
+    def _plan_prefill(self, r: DisaggRequest, steps, zero) -> None:
         T = self._target(r)
         if T <= 0 or self.refused:
             r.recompute = True
@@ -217,13 +239,14 @@ class ReferenceDisagg:
             key = ("state", prompt[: b * Bp])
             if key in self.cache or b * Bp == hit:
                 continue
-            page = self._take_p()
-            if page is None:
+            snap_page = self._try_take_p()
+            if snap_page is None:
                 break
-            self.cache[key] = [page, 1]  # held until the step that writes it has run
+            self.cache[key] = [snap_page, 1]  # held until the step that writes it has run
             r.p_cached.append(key)
-            snaps.append((b * Bp, page))
+            snaps.append((b * Bp, snap_page))
         r.hit = hit
+        assert r.p_slot is not None
         steps.append(RequestStep(r.rid, hit, T, tuple(r.p_blocks), r.p_slot, init, tuple(snaps), worker=PREFILL))
         r.phase = "prefilling"
 
@@ -231,7 +254,7 @@ class ReferenceDisagg:
         self.cache[key][1] += 1
         self.cache.move_to_end(key)
 
-    def _publish_prefill(self, r: _Req) -> None:
+    def _publish_prefill(self, r: DisaggRequest) -> None:
         """After the prefill step: its full blocks become cached (shared) entries."""
         Bp = self.P.block_size
         T = self._target(r)
@@ -245,7 +268,7 @@ class ReferenceDisagg:
             r.p_owned.remove(page)
             r.p_cached.append(key)
 
-    def _release_prefill(self, r: _Req) -> None:
+    def _release_prefill(self, r: DisaggRequest) -> None:
         for key in r.p_cached:
             if key in self.cache:
                 self.cache[key][1] -= 1
@@ -254,10 +277,11 @@ class ReferenceDisagg:
         r.p_cached, r.p_owned, r.p_blocks, r.p_slot = [], [], [], None
 
     # transfer -----------------------------------------------------------------------------
-    def _take_d(self, zero) -> int | None:
+    def _take_d(self, zero) -> int:
         page = self.dpool.take()
-        if page is not None:
-            zero.extend(self._zero_new_page(page))
+        if page is None:
+            raise RuntimeError("decode pages exhausted after the availability check")
+        zero.extend(self._zero_new_page(page))
         return page
 
     def _zero_new_page(self, page: int) -> list[ZeroRegion]:
@@ -265,7 +289,7 @@ class ReferenceDisagg:
         tile reads past the last token, and stale bytes there must be zeros."""
         return [ZeroRegion(DECODE, self.D.page_offset(page), self.D.kv_view_bytes)]
 
-    def _decode_pages(self, r: _Req, upto: int, zero) -> bool:
+    def _decode_pages(self, r: DisaggRequest, upto: int, zero) -> bool:
         Bd = self.D.block_size
         need = -(-upto // Bd) - len(r.d_blocks) + (1 if r.d_slot is None else 0)
         if need > len(self.dpool.free):
@@ -274,12 +298,13 @@ class ReferenceDisagg:
             r.d_blocks.append(self._take_d(zero))
         if r.d_slot is None:
             r.d_slot = self.dpool.take()
-        return True
+        return r.d_slot is not None
 
-    def _plan_transfer(self, r: _Req, transfers, zero) -> None:
+    def _plan_transfer(self, r: DisaggRequest, transfers, zero) -> None:
         T = self._target(r)
         if not self._decode_pages(r, r.prompt_len, zero):
             return
+        assert r.p_slot is not None and r.d_slot is not None
         kv = self.kv_descriptors(r, T)
         state = self.state_descriptors(r.p_slot, r.d_slot)
         tid = self.next_transfer
@@ -290,7 +315,7 @@ class ReferenceDisagg:
         r.phase = "wait"
         r.waited = 0
 
-    def kv_descriptors(self, r: _Req, T: int) -> tuple[Descriptor, ...]:
+    def kv_descriptors(self, r: DisaggRequest, T: int) -> tuple[Descriptor, ...]:
         """Token ranges cut at both sides' block boundaries, per attention layer and K/V."""
         P, D = self.P, self.D
         out = []
@@ -333,9 +358,10 @@ class ReferenceDisagg:
         return Descriptor(P.conv_part_offset(src_slot, ps, layer, part, pl),
                           D.conv_part_offset(dst_slot, ds, layer, part, dl), n)
 
-    def _give_up(self, r: _Req, why: str) -> None:
+    def _give_up(self, r: DisaggRequest, why: str) -> None:
         """The transfer cannot be trusted: recompute the prompt on the decode side."""
-        self.transfers.pop(r.transfer_id, None)
+        if r.transfer_id is not None:
+            self.transfers.pop(r.transfer_id, None)
         r.transfer_id = None
         r.recompute = True
         r.phase = "decode"
@@ -343,7 +369,7 @@ class ReferenceDisagg:
         self._release_prefill(r)
 
     # decode -------------------------------------------------------------------------------
-    def _plan_decode(self, r: _Req, steps, zero) -> None:
+    def _plan_decode(self, r: DisaggRequest, steps, zero) -> None:
         start = 0 if r.recompute else max(r.computed, self._target(r))
         if r.recompute and r.computed:
             start = r.computed
@@ -353,6 +379,7 @@ class ReferenceDisagg:
         if not self._decode_pages(r, end, zero):
             return
         init = FRESH if start == 0 else RESUME
+        assert r.d_slot is not None
         steps.append(RequestStep(r.rid, start, end, tuple(r.d_blocks), r.d_slot, init, worker=DECODE))
 
     # -- update ---------------------------------------------------------------------------
@@ -400,7 +427,7 @@ class ReferenceDisagg:
     def received(n: TransferNotice) -> bool:
         return n.ok and bool(n.chunks) and all(c.ok and c.src_digest == c.dst_digest for c in n.chunks)
 
-    def _release_decode(self, r: _Req) -> None:
+    def _release_decode(self, r: DisaggRequest) -> None:
         for page in r.d_blocks + ([r.d_slot] if r.d_slot is not None else []):
             self.dpool.give(page)
         r.d_blocks, r.d_slot = [], None

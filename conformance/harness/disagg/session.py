@@ -14,11 +14,14 @@ implementation in the same step's result.  The first problem raises
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from conformance.contract import Request
 from conformance.errors import ConformanceFailure, ContractError
-from conformance.model import TinyHybrid
 from conformance.harness.oracle import TOLERANCE, Oracle
+from conformance.model import TinyHybrid
 
 from .contract import DECODE, PREFILL, DisaggLayouts, DisaggPlan, DisaggResult
 from .faults import FaultSpec
@@ -43,12 +46,12 @@ class _Track:
 
 @dataclass
 class DisaggSession:
-    impl: object
+    impl: Any  # a disaggregated implementation (see .contract)
     model: TinyHybrid
     oracle: Oracle
     transport: str = "auto"
     faults: tuple[FaultSpec, ...] = ()
-    workers: Workers | None = None  # reuse built workers (memory and transport; never cleared)
+    reuse: Workers | None = None  # workers built earlier (memory and transport; never cleared)
     coverage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     log: list[str] = field(default_factory=list)
 
@@ -57,11 +60,12 @@ class DisaggSession:
             if not callable(getattr(self.impl, m, None)):
                 raise TypeError(f"{type(self.impl).__name__} is not a disaggregated implementation: no {m}()")
         self.layouts: DisaggLayouts = self.impl.disagg_layouts()
-        self._own_workers = self.workers is None
-        if self.workers is None:
+        self._own_workers = self.reuse is None
+        if self.reuse is None:
             tr, self.transport_why = make_transport(self.transport, self.faults)
-            self.workers = build_workers(self.layouts, self.model.config, tr)
+            self.workers: Workers = build_workers(self.layouts, self.model.config, tr)
         else:
+            self.workers = self.reuse
             tr, self.transport_why = self.workers.transport, "reused"
             tr.reset()
         self.transport_name = tr.name
@@ -70,7 +74,8 @@ class DisaggSession:
         p, d = self.layouts.prefill.state_shards, self.layouts.decode.state_shards
         self._pairing = "pairing_2to1" if p > d else "pairing_1to2" if d > p else None
         ptype = self.workers.prefill.geometry.layout.state_dtype
-        self.prefill_oracle = self.oracle if ptype == "float64" else Oracle(self.model, TOLERANCE[__import__("torch").float32])
+        # a float32 prefill state (the dtype-mismatch fault) rounds what prefill reads back
+        self.prefill_oracle = self.oracle if ptype == "float64" else Oracle(self.model, TOLERANCE[torch.float32])
 
     @property
     def events(self):
@@ -110,7 +115,7 @@ class DisaggSession:
                 w.transport.submit(t)
             busy_pages = self._in_flight_pages()
             notices = w.transport.progress()
-            sampled = {}
+            sampled: dict[str, int] = {}
             for rs in plan.requests:
                 self._run(rs, sampled, busy_pages)
         except ContractError as e:
@@ -161,6 +166,7 @@ class DisaggSession:
         t = self.tracks.get(rs.request_id)
         if t is None or t.done:
             self.fail("contract", f"step for unknown or finished request {rs.request_id}")
+        assert t is not None
         if rs.worker not in (PREFILL, DECODE):
             self.fail("contract", f"{rs.request_id}: worker {rs.worker!r} (disaggregated steps name prefill or decode)")
         mem = self.workers.of(rs.worker)

@@ -56,8 +56,8 @@ class Transport:
     def __init__(self, faults: tuple[FaultSpec, ...] = ()):
         self.faults = tuple(faults)
         self.events: list[FaultEvent] = []
-        self.prefill: WorkerMemory | None = None
-        self.decode: WorkerMemory | None = None
+        self.prefill: WorkerMemory  # set by open()
+        self.decode: WorkerMemory
         self._flights: list[_Flight] = []
         self._submitted = 0
         self._held: list[tuple[TransferNotice, int]] = []  # reordered notices and the ticks they waited

@@ -43,7 +43,7 @@ def run_step(model: TinyHybrid, mem: WorkerMemory, rs: RequestStep, seq: tuple[i
         if rs.start != 0:
             raise ContractError(f"{rs.request_id}: a fresh state at position {rs.start} (only at 0)")
         mem.zero_state(rs.state_slot, rs.request_id)
-    elif rs.state_init.kind == "copy":
+    elif rs.state_init.kind == "copy" and rs.state_init.source is not None:
         parts = rs.state_init.parts
         mem.copy_state(rs.state_init.source, rs.state_slot, conv="conv" in parts, ssm="ssm" in parts)
     problems = []

@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--big-mib", type=int, default=16)
     a = ap.parse_args()
+    torch.set_num_threads(1)  # as every front door does: the tiny model only pays for intra-op threads
     model = TinyHybrid(ModelConfig())
     oracle = Oracle(model)
     oracle.prime(tuple(range(8)))

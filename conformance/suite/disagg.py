@@ -39,7 +39,7 @@ ARMABLE = ("kill-peer", "drop-descriptor", "lose-notification", "corrupt-bytes",
 # Transferred prefix lengths T (prompts are T+1 tokens: prefill stops at N-1):
 # on, one before and one after 16- and 32-token boundaries, and mid-block.
 PREFIX_ENDS = (15, 16, 17, 31, 32, 33, 47, 48, 8, 20, 40)
-SHARED = (0, 0, 16, 32)
+SHARED = (0, 16, 32, 48)  # shared-prefix tokens: prefill-side hits at 16- and 32-token boundaries
 MAX_ACTIVE = 3
 
 
@@ -72,9 +72,11 @@ def generate(rng: random.Random, steps: int, example: int) -> list:
             active += 1
         elif roll < 0.75:
             out.append(dops.Step(rng.choice((1, 1, 2))))
-        elif roll < 0.87 and not armed:
+        elif roll < 0.85 and not armed:
             out.append(dops.ArmFault(rng.choice(ARMABLE)))
             armed = True
+        elif roll < 0.9 and n:
+            out.append(dops.Abort(f"e{example}r{rng.randrange(n)}"))  # maybe mid-transfer
         else:
             out.append(dops.Drain())
             active, armed = 0, False

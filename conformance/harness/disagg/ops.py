@@ -80,9 +80,11 @@ def prompt_shared(seed: int, vocab: int, length: int = 96) -> tuple[int, ...]:
 
 # The layout pairings the family runs: prefill 16-token blocks and 2 state
 # shards -> decode 32-token blocks and 1 shard, and the reverse.
+# The first pulls (decode READs, as vLLM's NIXL connector), the second pushes (prefill WRITEs and
+# notifies, as SGLang's and Mooncake's do), so both directions run in every check.
 PAIRINGS = {
-    "2to1": {"prefill_block": 16, "decode_block": 32, "prefill_shards": 2, "decode_shards": 1},
-    "1to2": {"prefill_block": 32, "decode_block": 16, "prefill_shards": 1, "decode_shards": 2},
+    "2to1": {"prefill_block": 16, "decode_block": 32, "prefill_shards": 2, "decode_shards": 1, "op": "READ"},
+    "1to2": {"prefill_block": 32, "decode_block": 16, "prefill_shards": 1, "decode_shards": 2, "op": "WRITE"},
 }
 
 # A general scenario (not written for any one bug): boundary, one-off and

@@ -104,6 +104,7 @@ class ReferenceDisagg:
         self.reqs: dict[str, DisaggRequest] = {}
         self.next_transfer = 1
         self.transfers: dict[int, str] = {}  # transfer id -> request id
+        self._orphans: dict[int, DisaggRequest] = {}  # aborted while their transfer was in flight
 
     # -- contract ------------------------------------------------------------------------
     def disagg_layouts(self) -> DisaggLayouts:
@@ -136,8 +137,9 @@ class ReferenceDisagg:
         if r is None:
             return
         if r.transfer_id is not None and r.phase == "wait":
-            # bytes may still land in its decode pages: keep them until the transfer ends
-            self._orphans = getattr(self, "_orphans", {})
+            # bytes may still land in its decode pages: keep them until the transfer's
+            # notice, or its deadline (a lost notification), has passed
+            r.waited = 0
             self._orphans[r.transfer_id] = r
             self._release_prefill(r)
             return
@@ -148,7 +150,7 @@ class ReferenceDisagg:
         """Pages each worker's requests and cache hold (the harness checks them against memory)."""
         held_p = {p for r in self.reqs.values() for p in r.p_owned + ([r.p_slot] if r.p_slot is not None else [])}
         held_p |= {e[0] for e in self.cache.values()}
-        held_d = {p for r in list(self.reqs.values()) + list(getattr(self, "_orphans", {}).values())
+        held_d = {p for r in list(self.reqs.values()) + list(self._orphans.values())
                   for p in r.d_blocks + ([r.d_slot] if r.d_slot is not None else [])}
         return {"prefill_used": sorted(held_p), "decode_used": sorted(held_d),
                 "prefill_free": len(self.ppool.free), "decode_free": len(self.dpool.free),
@@ -159,6 +161,11 @@ class ReferenceDisagg:
         steps: list[RequestStep] = []
         transfers: list[DisaggTransfer] = []
         zero: list[ZeroRegion] = []
+        for tid, orphan in list(self._orphans.items()):
+            orphan.waited += 1
+            if orphan.waited > self.opts["deadline_steps"]:
+                del self._orphans[tid]
+                self._release_decode(orphan)
         for r in list(self.reqs.values()):
             if r.phase == "prefill":
                 self._plan_prefill(r, steps, zero)
@@ -408,7 +415,7 @@ class ReferenceDisagg:
         return finished
 
     def on_notice(self, n: TransferNotice) -> None:
-        orphan = getattr(self, "_orphans", {}).pop(n.id, None)
+        orphan = self._orphans.pop(n.id, None)
         if orphan is not None:
             self._release_decode(orphan)
             return

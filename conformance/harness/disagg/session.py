@@ -29,6 +29,7 @@ from .worker_runner import run_step
 from .workers import Workers, build_workers, make_transport
 
 MAX_DRAIN_STEPS = 200
+IDLE_STEPS = 10
 
 COUNTERS = ("steps", "requests", "transfers", "transfers_verified", "recomputes", "prefill_hits",
             "decode_steps", "mid_block_prompt_ends", "boundary_prompt_ends", "state_shards_transferred",
@@ -198,12 +199,22 @@ class DisaggSession:
                 sampled[rs.request_id] = self.oracle.next_token(seq)
 
     def drain(self, max_steps: int = MAX_DRAIN_STEPS) -> None:
+        """Steps until every request finished and no transfer is in flight; then idle
+        steps (at most IDLE_STEPS) while the implementation still holds decode pages,
+        as an engine keeps stepping while a receive it gave up on may still land."""
+        tr = self.workers.transport
         for _ in range(max_steps):
-            if all(t.done for t in self.tracks.values()):
+            if all(t.done for t in self.tracks.values()) and not tr.in_flight() and not tr._held:
+                break
+            self.step()
+        else:
+            self.fail("stall", f"requests still running after {max_steps} steps: "
+                               f"{[r for r, t in self.tracks.items() if not t.done]}")
+        for _ in range(IDLE_STEPS):
+            view = self.impl.view() if callable(getattr(self.impl, "view", None)) else None
+            if not isinstance(view, dict) or not view.get("decode_used"):
                 return
             self.step()
-        self.fail("stall", f"requests still running after {max_steps} steps: "
-                           f"{[r for r, t in self.tracks.items() if not t.done]}")
 
     def check_no_leak(self) -> None:
         """Once every request finished: the implementation holds no decode page and

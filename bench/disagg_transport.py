@@ -26,10 +26,10 @@ import time
 
 import torch
 
+from conformance.adapters.reference.disagg import DisaggRequest, ReferenceDisagg
 from conformance.contract import ImplConfig
+from conformance.disagg.contract import DECODE, PREFILL, Descriptor, DisaggLayouts, DisaggTransfer, WorkerLayout
 from conformance.harness.disagg import ops
-from conformance.harness.disagg.contract import DECODE, PREFILL, Descriptor, DisaggLayouts, DisaggTransfer, WorkerLayout
-from conformance.harness.disagg.reference import DisaggRequest, ReferenceDisagg
 from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.workers import build_workers, make_transport
 from conformance.harness.oracle import Oracle

@@ -1,5 +1,5 @@
 """Seeded bugs in the reference disaggregated implementation
-(:class:`conformance.harness.disagg.reference.ReferenceDisagg`), each a
+(:class:`conformance.adapters.reference.disagg.ReferenceDisagg`), each a
 subclass overriding exactly the one decision it breaks.  They reproduce the
 PD rows of ``upstream-bugs.md`` (12-16, 35) and the design note's "stale
 state tail"; the disagg family must catch them through its general checks
@@ -7,8 +7,8 @@ state tail"; the disagg family must catch them through its general checks
 
 from __future__ import annotations
 
-from conformance.harness.disagg.contract import Descriptor
-from conformance.harness.disagg.reference import ReferenceDisagg
+from conformance.adapters.reference.disagg import ReferenceDisagg
+from conformance.disagg.contract import Descriptor
 
 from .registry import register
 

@@ -12,15 +12,15 @@ import os
 import pytest
 import torch
 
+from conformance.adapters.reference.disagg import ReferenceDisagg
 from conformance.contract import ImplConfig
+from conformance.disagg.contract import DECODE, PREFILL, Descriptor, DisaggLayouts, DisaggTransfer, WorkerLayout
+from conformance.disagg.geometry import PARTS, WorkerGeometry
 from conformance.errors import ConformanceFailure
 from conformance.harness.disagg import ops
-from conformance.harness.disagg.contract import DECODE, PREFILL, Descriptor, DisaggLayouts, DisaggTransfer, WorkerLayout
 from conformance.harness.disagg.faults import FAULT_KINDS, FaultSpec
-from conformance.harness.disagg.geometry import PARTS, WorkerGeometry
 from conformance.harness.disagg.nixl_transport import nixl_available
 from conformance.harness.disagg.provenance import POISON, Labels
-from conformance.harness.disagg.reference import ReferenceDisagg
 from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.worker_memory import WorkerMemory
 from conformance.harness.disagg.workers import build_workers, make_transport

@@ -5,7 +5,8 @@ next post with a disconnect error) and copies bytes with torch."""
 
 from __future__ import annotations
 
-from .contract import Descriptor
+from conformance.disagg.contract import Descriptor
+
 from .transport import TransferError, Transport
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .contract import Descriptor
+from conformance.disagg.contract import Descriptor
+
 from .provenance import Label
 from .worker_memory import WorkerMemory
 

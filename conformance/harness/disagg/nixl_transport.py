@@ -26,7 +26,8 @@ import sys
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from .contract import Descriptor
+from conformance.disagg.contract import Descriptor
+
 from .nixl_peer import _descs, wait_done
 from .transport import TransferError, Transport
 

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from conformance.contract import Request
+from conformance.disagg.contract import DECODE, PREFILL, DisaggLayouts, DisaggPlan, DisaggResult
 from conformance.errors import ConformanceFailure, ContractError
 from conformance.harness.oracle import TOLERANCE, Oracle
 from conformance.model import TinyHybrid
 
-from .contract import DECODE, PREFILL, DisaggLayouts, DisaggPlan, DisaggResult
 from .faults import FaultSpec
 from .worker_runner import run_step
 from .workers import Workers, build_workers, make_transport

@@ -21,9 +21,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .contract import ChunkNotice, Descriptor, DisaggTransfer, Handshake, TransferNotice
+from conformance.disagg.contract import ChunkNotice, Descriptor, DisaggTransfer, Handshake, TransferNotice
+from conformance.disagg.geometry import WorkerGeometry
+
 from .faults import FaultEvent, FaultSpec
-from .geometry import WorkerGeometry
 from .ledger import ChunkLedger, digest
 from .worker_memory import WorkerMemory
 

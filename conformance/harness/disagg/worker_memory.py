@@ -18,10 +18,10 @@ import os
 
 import torch
 
+from conformance.disagg.geometry import KV_ITEM, PARTS, WorkerGeometry
 from conformance.errors import ContractError
 from conformance.model import RecState
 
-from .geometry import KV_ITEM, PARTS, WorkerGeometry
 from .provenance import POISON, ZERO, Label, Labels
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}

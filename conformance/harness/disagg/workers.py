@@ -9,11 +9,11 @@ import tempfile
 from dataclasses import dataclass, replace
 from itertools import count
 
+from conformance.disagg.contract import DisaggLayouts, Handshake
+from conformance.disagg.geometry import WorkerGeometry
 from conformance.model import ModelConfig
 
-from .contract import DisaggLayouts, Handshake
 from .faults import FaultSpec
-from .geometry import WorkerGeometry
 from .inprocess import InProcessTransport
 from .nixl_transport import NixlTransport, nixl_available
 from .provenance import Labels

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from conformance.disagg.contract import WorkerLayout
 from conformance.model import ModelConfig
-
-from .contract import WorkerLayout
 
 PARTS = ("q", "k", "v")
 KV_ITEM = 8  # KV is float64 on every worker

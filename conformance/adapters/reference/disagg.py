@@ -32,8 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from conformance.contract import FRESH, RESUME, ImplConfig, Request, RequestStep, copy_from
-
-from .contract import (
+from conformance.disagg.contract import (
     DECODE,
     PREFILL,
     Descriptor,
@@ -46,7 +45,7 @@ from .contract import (
     WorkerLayout,
     ZeroRegion,
 )
-from .geometry import PARTS, WorkerGeometry
+from conformance.disagg.geometry import PARTS, WorkerGeometry
 
 DEFAULTS = {"prefill_block": 16, "decode_block": 32, "prefill_shards": 2, "decode_shards": 1,
             "prefill_pages": 48, "decode_pages": 48, "op": "WRITE", "stop_at_n_minus_1": True,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 from conformance.contract import RequestStep
 
 if TYPE_CHECKING:
-    from .geometry import WorkerGeometry
+    from conformance.disagg.geometry import WorkerGeometry
 
 PREFILL, DECODE = "prefill", "decode"
 WORKERS = (PREFILL, DECODE)

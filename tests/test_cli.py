@@ -54,3 +54,48 @@ def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "conformance", "run", "--impl", "nope"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+NOCACHE = """
+from conformance.adapters.reference import ReferenceCache
+
+
+class NoRetention(ReferenceCache):
+    name = "no-retention"
+    tier_option = None  # no second tier: the tier checks cannot run
+
+    def retention(self):
+        return None  # no declared policy: the retention checks cannot run
+"""
+
+
+def test_a_run_in_which_nothing_was_checked_exits_1(tmp_path, monkeypatch, capsys):
+    """Every check skipped: not green. The console gives the count and each reason."""
+    (tmp_path / "noret.py").write_text(NOCACHE)
+    monkeypatch.chdir(tmp_path)  # imported from the current directory, as the CLI does
+    out = tmp_path / "r"
+    code = main(["run", "--impl", "noret:NoRetention", "--check", "tier-reuse", "--check", "retention-policy",
+                 "--report-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "0 passed, 0 failed, 0 errors, 2 skipped" in err and "nothing was checked" in err
+    assert "skipped tier-reuse: the implementation has no second tier" in err
+    assert "skipped retention-policy: the implementation declares no retention policy" in err
+    data = json.loads((out / "results.json").read_text())
+    assert data["summary"]["skipped"] == 2 and data["summary"]["checked"] == 0 and data["summary"]["ok"] is False
+    skipped = ET.parse(out / "junit.xml").getroot().findall("testcase/skipped")
+    assert [s.get("message")[:30] for s in skipped] == ["the implementation has no seco",
+                                                        "the implementation declares no"]
+    assert "nothing was checked" in (out / "index.html").read_text()
+    # compare: what was checked before and is skipped now is a regression, not a pass
+    from conformance.results.compare import compare
+
+    before = {"checks": [{"id": "tier-reuse", "status": "passed"}, {"id": "retention-policy", "status": "passed"}]}
+    cmp = compare(before, data)
+    assert cmp.regressed and cmp.nothing_checked and [c for c, _ in cmp.now_skipped] == ["tier-reuse",
+                                                                                          "retention-policy"]
+    # one check executed and passed, one skipped: green, with the skip on the console
+    code = main(["run", "--impl", "noret:NoRetention", "--check", "tier-reuse", "--check", "mid-block-hits",
+                 "--examples", "8", "--report-dir", str(tmp_path / "r2")])
+    err = capsys.readouterr().err
+    assert code == 0 and "1 passed, 0 failed, 0 errors, 1 skipped" in err and "skipped tier-reuse" in err

@@ -230,8 +230,17 @@ def test_index_html_is_self_contained(runs):
     assert "http://" not in html and "https://" not in html and "<script" not in html
     # plots in the report directory are embedded
     (runs / "mut" / "hit-rate.png").write_bytes(PNG)
-    page = render([_load(runs / "ref"), _load(runs / "mut")], base=runs / "mut")
+    page = render([_load(runs / "ref"), _load(runs / "mut")], base=runs / "mut", plots=[runs / "mut" / "hit-rate.png"])
     assert "data:image/png;base64," in page and page.count("<tr><th>reference 1.0") == 4  # matrix + coverage
+    from conformance.results.html import write_index
+
+    assert "data:image/png;base64," in write_index(runs / "mut", [_load(runs / "mut")]).read_text()
+
+
+def test_compare_html_embeds_no_foreign_plots(runs, tmp_path, capsys):
+    (tmp_path / "someone-elses.png").write_bytes(PNG)
+    assert cli(["compare", str(runs / "ref"), str(runs / "ref"), "--html", str(tmp_path / "cmp.html")]) == 0
+    assert "data:image/png" not in (tmp_path / "cmp.html").read_text()
 
 
 def _chromium() -> str | None:

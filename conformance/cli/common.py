@@ -51,6 +51,8 @@ class Progress:
                        f"{r.seconds:.1f}s) {cov}")
             if r.metrics.get("transport"):  # the disagg family says which transport carried the bytes
                 self._line(f"      transport: {r.metrics['transport']} ({r.metrics.get('transport_why', '')})")
+            if r.status == "skipped":
+                self._line(f"      skipped: {r.reason or 'no reason given'}")
             if r.failure is not None:
                 self._line(f"      {r.failure.kind}: {r.failure.message[:300]}")
                 if r.failure.repro:
@@ -60,3 +62,18 @@ class Progress:
         if self.tty:
             text = "\x1b[2K" + text
         print(text, end=end, file=self.stream, flush=True)
+
+
+def summary_lines(result) -> list[str]:
+    """The end-of-run summary: counts (skipped included), each skipped check
+    with its reason, and a loud line when nothing was checked."""
+    summary = result.to_dict()["summary"]
+    perf = (f" ({summary['hit_rate_failures']} of them hit-rate: reuse below the declared policy, logits right)"
+            if summary.get("hit_rate_failures") else "")
+    lines = [f"{result.implementation} {result.implementation_version}: {summary['passed']} passed, "
+             f"{summary['failed']} failed{perf}, {summary['error']} errors, {summary['skipped']} skipped; reports in "
+             f"{result.metrics.get('report_dir')}"]
+    lines += [f"  skipped {c.id}: {c.reason or 'no reason given'}" for c in result.checks if c.status == "skipped"]
+    if not result.checked and not result.interrupted:
+        lines.append("nothing was checked: every check was skipped (or none ran); this run proves nothing (exit 1)")
+    return lines

@@ -51,20 +51,39 @@ class Comparison:
     coverage_changes: list[tuple[str, int, int]] = field(default_factory=list)
     coverage_lost: list[str] = field(default_factory=list)
     interrupted: bool = False
+    # (check, reason): ran before (passed or failed), skipped now: no longer checked
+    now_skipped: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # skipped now, and not run before either
+    nothing_checked: bool = False  # the new run executed no check at all
+    warnings: list[str] = field(default_factory=list)  # e.g. the two runs are of different implementations
 
     @property
     def regressed(self) -> bool:
-        # A check that vanished or a situation that stopped occurring hides bugs
-        # as surely as a failure does, so both count as regressions.
-        return bool(self.new_failures or self.missing or self.coverage_lost or self.interrupted)
+        # A check that vanished, was skipped, or a situation that stopped
+        # occurring hides bugs as surely as a failure does: all are regressions.
+        return bool(self.new_failures or self.missing or self.coverage_lost or self.interrupted
+                    or self.now_skipped or self.nothing_checked)
 
 
 def compare(old: dict, new: dict) -> Comparison:
     o, n = _by_id(old), _by_id(new)
     cmp = Comparison(interrupted=bool(new.get("interrupted")))
+    cmp.nothing_checked = not any(c["status"] != "skipped" for c in n.values())
+    for key in ("implementation", "impl_spec"):
+        a, b = old.get(key), new.get(key)
+        if a and b and a != b:
+            cmp.warnings.append(f"the runs are of different implementations ({key} {a!r} vs {b!r}): "
+                                f"differences may be theirs, not a regression")
+            break
     for cid, c in n.items():
         before = o.get(cid)
-        if c["status"] in BAD:
+        if c["status"] == "skipped":
+            reason = c.get("reason") or "no reason given"
+            if before is not None and before["status"] != "skipped":
+                cmp.now_skipped.append((cid, reason))
+            else:
+                cmp.skipped.append((cid, reason))
+        elif c["status"] in BAD:
             if before is None or before["status"] not in BAD:
                 cmp.new_failures.append((cid, ((c.get("failure") or {}).get("message") or c["status"])[:300]))
             else:
@@ -86,12 +105,19 @@ def compare(old: dict, new: dict) -> Comparison:
 
 def format_comparison(cmp: Comparison, old_label: str, new_label: str) -> str:
     lines = [f"compare {old_label} -> {new_label}"]
+    lines += [f"  WARNING: {w}" for w in cmp.warnings]
     if cmp.interrupted:
         lines.append("  the new run was interrupted: its results are incomplete")
+    if cmp.nothing_checked:
+        lines.append("  NOTHING WAS CHECKED in the new run: every check was skipped (or none ran)")
     for cid, msg in cmp.new_failures:
         lines.append(f"  NEW FAILURE  {cid}: {msg}")
     for cid in cmp.missing:
         lines.append(f"  MISSING      {cid} (ran before, not in the new run)")
+    for cid, reason in cmp.now_skipped:
+        lines.append(f"  NOW SKIPPED  {cid}: {reason} (checked before, not now)")
+    for cid, reason in cmp.skipped:
+        lines.append(f"  skipped      {cid}: {reason}")
     for cid in cmp.fixed:
         lines.append(f"  fixed        {cid}")
     for cid in cmp.still_failing:

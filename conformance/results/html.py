@@ -16,7 +16,8 @@ from pathlib import Path
 
 from conformance.results.files import atomic_write
 
-_ORDER = {"error": 0, "failed": 1, "passed": 2, "skipped": 3, None: 4}
+# A family with a skipped check is not green: what was skipped was not checked.
+_ORDER = {"error": 0, "failed": 1, "skipped": 2, "passed": 3, None: 4}
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1d2430;background:#fff}
@@ -62,7 +63,8 @@ def _cell(checks: list[dict]) -> tuple[str, str]:
     if not checks:
         return "none", "not run"
     worst = min((c["status"] for c in checks), key=lambda s: _ORDER.get(s, 4))
-    title = "; ".join(f"{c['id']}: {c['status']}" for c in checks)
+    title = "; ".join(f"{c['id']}: {c['status']}" + (f" ({c['reason']})" if c.get("reason") else "")
+                      for c in checks)
     return worst, title
 
 
@@ -75,7 +77,11 @@ def _rel(path: str, base: Path | None) -> str:
         return path
 
 
-def render(results: list[dict], base: Path | None = None, title: str = "hybrid-cache-conformance") -> str:
+def render(results: list[dict], base: Path | None = None, title: str = "hybrid-cache-conformance",
+           plots: list[Path] | tuple[Path, ...] = ()) -> str:
+    """``base``: where relative links start; ``plots``: the PNG files to embed
+    (a run's own plots: a comparison written next to other files embeds none
+    of theirs)."""
     e = html.escape
     families = _families(results)
     out = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
@@ -87,17 +93,19 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
     # -- the matrix: one row per run, one column per family ----------------------------
     out.append("<h2>Matrix</h2><table id='matrix'><thead><tr><th>implementation</th>")
     out += [f"<th>{e(str(f))}</th>" for f in families]
-    out.append("<th>passed</th><th>failed</th><th>errors</th><th>run</th></tr></thead><tbody>")
+    out.append("<th>passed</th><th>failed</th><th>errors</th><th>skipped</th><th>run</th></tr></thead><tbody>")
     for r in results:
         s = r.get("summary") or {}
         state = "interrupted" if r.get("interrupted") else ("running" if not r.get("finished") else "complete")
-        badge = {"complete": "ok", "interrupted": "warn", "running": "warn"}[state]
+        if state == "complete" and not any(c.get("status") != "skipped" for c in r.get("checks", [])):
+            state = "nothing was checked"
+        badge = {"complete": "ok", "interrupted": "warn", "running": "warn", "nothing was checked": "bad"}[state]
         out.append(f"<tr><th>{e(run_label(r))}</th>")
         for f in families:
             status, tip = _cell([c for c in r.get("checks", []) if c.get("family") == f])
             out.append(f"<td class='{status}' title='{e(tip)}'>{e(status)}</td>")
         out.append(f"<td class='num'>{s.get('passed', 0)}</td><td class='num'>{s.get('failed', 0)}</td>"
-                   f"<td class='num'>{s.get('error', 0)}</td>"
+                   f"<td class='num'>{s.get('error', 0)}</td><td class='num'>{s.get('skipped', 0)}</td>"
                    f"<td><span class='badge {badge}'>{state}</span> seed {e(str(r.get('seed', '')))}, "
                    f"{e(str(r.get('profile', '')))}</td></tr>")
     out.append("</tbody></table>")
@@ -128,8 +136,9 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
             f = c.get("failure") or {}
             first = (f"{f.get('examples_to_failure')} examples, {f.get('seconds_to_failure')} s"
                      if f.get("examples_to_failure") is not None else "")
+            status = c["status"] + (f": {c['reason']}" if c["status"] == "skipped" and c.get("reason") else "")
             out.append(f"<tr><td>{e(run_label(r))}</td><td title='{e(c.get('description', ''))}'>{e(c['id'])}</td>"
-                       f"<td>{e(str(c.get('family', '')))}</td><td class='{e(c['status'])}'>{e(c['status'])}</td>"
+                       f"<td>{e(str(c.get('family', '')))}</td><td class='{e(c['status'])}'>{e(status)}</td>"
                        f"<td class='num'>{c.get('examples', 0)}</td><td class='num'>{c.get('steps', 0)}</td>"
                        f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td></tr>")
     out.append("</tbody></table>")
@@ -162,7 +171,6 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
         out += [f"<tr><td>{e(run_label(r))}</td><td>{e(name)}</td><td><code>{e(json.dumps(info))}</code></td></tr>"
                 for r, name, info in faults]
         out.append("</table>")
-    plots = sorted(base.glob("*.png")) if base is not None and base.is_dir() else []
     if plots:
         out.append("<h2>Plots</h2>")
         for p in plots:
@@ -177,5 +185,5 @@ def write_index(out: Path, results: list[dict], title: str = "hybrid-cache-confo
 
     out = Path(out)
     path = out / "index.html"
-    atomic_write(path, render(results, base=out, title=title))
+    atomic_write(path, render(results, base=out, title=title, plots=sorted(out.glob("*.png"))))
     return path

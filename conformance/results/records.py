@@ -68,14 +68,26 @@ class RunResult:
         return total
 
     @property
+    def checked(self) -> int:
+        """How many checks executed (a skipped check checked nothing)."""
+        return sum(c.status != "skipped" for c in self.checks)
+
+    @property
     def ok(self) -> bool:
-        return all(c.status in ("passed", "skipped") for c in self.checks) and not self.interrupted
+        """Green: no failure or error, not interrupted, and something was
+        checked.  Skipped checks are not failures, but a run whose every check
+        was skipped (or that ran none) proves nothing and is not ok."""
+        return (self.checked > 0 and all(c.status in ("passed", "skipped") for c in self.checks)
+                and not self.interrupted)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["schema_version"] = SCHEMA_VERSION
         d["coverage"] = self.coverage
         d["summary"] = {s: sum(c.status == s for c in self.checks) for s in STATUSES}
+        d["summary"]["checked"] = self.checked
+        d["summary"]["ok"] = self.ok
+        d["summary"]["skip_reasons"] = {c.id: c.reason for c in self.checks if c.status == "skipped"}
         # Of the failures, those that are performance bugs (reuse below the declared
         # retention policy; logits were right): reported apart from correctness.
         d["summary"]["hit_rate_failures"] = sum(c.status == "failed" and c.failure is not None

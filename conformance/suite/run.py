@@ -24,6 +24,14 @@ __all__ = ["RunOptions", "run", "select_shard"]
 
 def run(opts: RunOptions) -> RunResult:
     factory, name, specs, model_config, env = prepare(opts)
+    # A check's seed comes from its position in the whole profile, so a shard
+    # or a worker runs exactly the examples the unsplit run would.
+    planned = list(enumerate(specs))
+    if opts.shard:
+        planned = select_shard(planned, *opts.shard)
+        if not planned:  # a green run of nothing would hide a miscounted CI matrix
+            raise UsageError(f"--shard {opts.shard[0]}/{opts.shard[1]}: this shard holds no check (the run "
+                             f"selects {len(specs)}); use at most {len(specs)} shards")
     # The model's tensors are tiny: intra-op threads only add synchronization,
     # which on a loaded CPU makes each step tens of times slower.
     torch.set_num_threads(1)
@@ -40,11 +48,6 @@ def run(opts: RunOptions) -> RunResult:
         out.mkdir(parents=True, exist_ok=True)
     profile = PROFILES[opts.profile]
     notify = opts.progress or (lambda *a, **k: None)
-    # A check's seed comes from its position in the whole profile, so a shard
-    # or a worker runs exactly the examples the unsplit run would.
-    planned = list(enumerate(specs))
-    if opts.shard:
-        planned = select_shard(planned, *opts.shard)
     parallel = None
     try:
         if opts.workers > 1 and len(planned) > 1:

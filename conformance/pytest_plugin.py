@@ -62,13 +62,13 @@ class ConformanceRunner:
     def __init__(self, impl: str | object, profile: str = "quick", seed: int = 0, mutant: str | None = None,
                  examples: int | None = None, steps: int | None = None, report_dir: str | Path | None = None,
                  shrink: str = "hypothesis"):
+        import torch
+
         from conformance.harness.oracle import Oracle
         from conformance.model import TinyHybrid
         from conformance.results.records import RunResult
         from conformance.suite.options import RunOptions, now
         from conformance.suite.prepare import prepare
-
-        import torch
 
         # As the CLI: the tiny model's tensors only pay for intra-op threads (tens of times slower on a busy CPU).
         torch.set_num_threads(1)

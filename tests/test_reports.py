@@ -64,8 +64,8 @@ def test_expectations(runs, tmp_path, capsys):
     exp = tmp_path / "reference-1.0.toml"
     exp.write_text('engine = "reference"\nversion = "1.0"\n')
     assert compare_with_expectations(mut, exp) == (["mid-block-hits"], [])
-    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\nkind = "invariant"\n'
-                   'reason = "late snapshot"\nupstream = ["sglang#32606"]\n')
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'kind = "invariant"\nreason = "late snapshot"\nupstream = ["sglang#32606"]\n')
     assert compare_with_expectations(mut, exp) == ([], [])
     assert compare_with_expectations(_load(runs / "ref"), exp) == ([], ["mid-block-hits"])
     assert cli(["compare", str(exp), str(runs / "mut")]) == 0
@@ -78,7 +78,8 @@ def test_expectations(runs, tmp_path, capsys):
 
 def test_run_exits_by_the_expectations(tmp_path, capsys):
     exp = tmp_path / "reference-1.0.toml"
-    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\nkind = "invariant"\n')
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'kind = "invariant"\n')
     argv = ["run", "--check", "mid-block-hits", "--mutant", "late-snapshot", "--examples", "20", "--steps", "6",
             "--shrink", "none", "--report-dir", str(tmp_path / "r"), "--expectations", str(exp)]
     assert cli(argv) == 0  # the failure is expected
@@ -144,8 +145,9 @@ def test_expectations_of_skipped_checks():
 def test_expectations_can_depend_on_the_run_options(runs, tmp_path, capsys):
     """A `when` rule changes the expected status only for runs whose options match it."""
     exp = tmp_path / "reference-1.0.toml"
-    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\nkind = "invariant"\n'
-                   '[[checks."mid-block-hits".when]]\noptions = { interval = 4 }\nstatus = "passed"\n')
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'kind = "invariant"\n[[checks."mid-block-hits".when]]\noptions = { interval = 4 }\n'
+                   'status = "passed"\n')
     mut, ref = _load(runs / "mut"), _load(runs / "ref")
     assert compare_with_expectations(mut, exp) == ([], [])
     assert compare_with_expectations(ref, exp) == ([], ["mid-block-hits"])

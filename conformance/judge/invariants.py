@@ -56,6 +56,27 @@ def check_tables_referenced(view: CacheView, plan: StepPlan, block_size: int) ->
     return problems
 
 
+def check_holders_counted(view: CacheView, plan: StepPlan, block_size: int) -> list[str]:
+    """A refcount counts its holders: a KV block in the tables of k requests
+    scheduled together has refcount >= k.  Counted once for two holders, the
+    first to let go frees it (or queues it for eviction) while the other still
+    reads it, and the next allocation overwrites it."""
+    if not view.kv_refcounts:
+        return []
+    holders: dict[int, list[str]] = {}
+    for rs in plan.requests:
+        for b in dict.fromkeys(rs.block_table[: -(-rs.end // block_size)]):
+            holders.setdefault(b, []).append(rs.request_id)
+    problems = []
+    for b, reqs in holders.items():
+        n = view.kv_refcounts.get(b, 0)
+        if 1 <= n < len(reqs):  # 0 is check_tables_referenced's finding
+            problems.append(f"KV block {b} is in the tables of {len(reqs)} scheduled requests "
+                            f"({', '.join(reqs[:4])}) but has refcount {n}: when a holder lets go it is freed "
+                            f"while the others still use it")
+    return problems
+
+
 def _what(held, wanted) -> str:
     if held is None:
         return "never-written memory"
@@ -82,6 +103,7 @@ class TablesReferenced(Checker):
     def scheduled(self, session, plan, view):
         if view is not None:
             fail_if("invariant", check_tables_referenced(view, plan, session.layout.block_size))
+            fail_if("invariant", check_holders_counted(view, plan, session.layout.block_size))
 
 
 class ViewMatchesMemory(Checker):

@@ -125,7 +125,7 @@ class ConformanceRunner:
             check_id = impl_or_check
         res = self.run_check(check_id)
         if res.status in ("failed", "error"):
-            pytest.fail(failure_text(res), pytrace=False)
+            pytest.fail(failure_text(res, self.opts.impl), pytrace=False)
         if res.status == "skipped":  # not a pass: pytest reports it as a skip, with the reason
             pytest.skip(f"{check_id}: {res.reason}")
         return res
@@ -139,14 +139,16 @@ class ConformanceRunner:
             report.write_all(self.out, self.result)
 
 
-def failure_text(res) -> str:
+def failure_text(res, impl_spec: str | None = None) -> str:
     f = res.failure
     lines = [f"{res.id}: {res.status} ({f.kind}): {f.message}"]
     if f.steps:
         lines += ["", f"minimized sequence ({len(f.steps)} operations):"]
         lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(f.steps)]
     if f.repro:
-        lines += ["", f"replay: hybrid-conformance replay {f.repro}"]
+        from conformance.results.html import replay_command
+
+        lines += ["", f"replay: {replay_command(f.repro, impl_spec)}"]
     return "\n".join(lines)
 
 
@@ -169,7 +171,7 @@ class ConformanceItem(pytest.Item):
         if res.failure is not None and res.failure.repro:
             self.user_properties.append(("repro", res.failure.repro))
         if res.status in ("failed", "error"):
-            raise _CheckFailedReport(failure_text(res))
+            raise _CheckFailedReport(failure_text(res, runner.opts.impl))
         if res.status == "skipped":
             pytest.skip(f"{self.check_id}: {res.reason}")
 

@@ -55,6 +55,12 @@ class Trigger:
                     float(value) if field_name == "probability" else int(value))
             except ValueError:
                 raise KeyError(f"bad trigger value {part!r}") from None
+        p = kw.get("probability", cls.probability)
+        if not 0.0 <= p <= 1.0:  # NaN fails both comparisons too
+            raise KeyError(f"bad trigger value p={p}: a probability is between 0 and 1")
+        for key in ("step", "limit"):
+            if key in kw and kw[key] < 1:
+                raise KeyError(f"bad trigger value {key}={kw[key]}: must be at least 1")
         return cls(**kw)
 
 

@@ -99,3 +99,78 @@ def test_a_run_in_which_nothing_was_checked_exits_1(tmp_path, monkeypatch, capsy
                  "--examples", "8", "--report-dir", str(tmp_path / "r2")])
     err = capsys.readouterr().err
     assert code == 0 and "1 passed, 0 failed, 0 errors, 1 skipped" in err and "skipped tier-reuse" in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--examples", "0"], "--examples: 0 must be at least 1"),
+    (["run", "--steps", "-3"], "--steps: -3 must be at least 1"),
+    (["run", "--block-size", "0"], "--block-size: 0 must be at least 1"),
+    (["run", "--timeout", "0"], "--timeout: 0 must be a finite number above 0"),
+    (["run", "--timeout", "-1"], "--timeout: -1 must be a finite number above 0"),
+    (["run", "--timeout", "nan"], "--timeout: nan must be a finite number above 0"),
+    (["run", "--workers", "0"], "--workers: 0 must be at least 1"),
+    (["mutants", "--examples", "-1"], "--examples: -1 must be at least 1"),
+    (["replay", "x.json", "--timeout", "0"], "--timeout: 0 must be"),
+    (["run", "--option", "interval=3"], "retention interval 3 is not a multiple of the block size"),
+    (["run", "--option", "interval=-4"], "retention interval must be None or an integer >= 0"),
+    (["run", "--faults", "transfer-corrupt:p=1.5"], "a probability is between 0 and 1"),
+    (["run", "--faults", "transfer-corrupt:p=-0.1"], "a probability is between 0 and 1"),
+    (["run", "--faults", "transfer-corrupt:limit=0"], "limit=0: must be at least 1"),
+    (["run", "--mutant", "vllm-groups-not-reconciled"], "a mutant of the vllm implementation, not of --impl "
+                                                         "reference"),
+    (["run", "--impl", "vllm-engine", "--profile", "standard"], "the vllm-engine adapter has the profiles"),
+])
+def test_bad_input_is_a_usage_error(capsys, tmp_path, argv, needle):
+    assert main([*argv, "--report-dir", str(tmp_path / "never")] if argv[0] != "replay" else argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "never").exists()  # refused before anything ran or was written
+
+
+def test_a_reference_mutant_on_another_implementation_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """The README's NoCache is not the reference: a reference mutant cannot wrap it."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (tmp_path / "nocache.py").write_text(next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+                                              if "class NoCache" in b))
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "--impl", "nocache:NoCache", "--mutant", "late-snapshot", "--report-dir", str(tmp_path / "r")]
+    assert main(argv) == 2
+    assert "a mutant of the reference implementation, not of --impl nocache:NoCache" in capsys.readouterr().err
+
+
+def test_results_and_repros_are_strict_json(tmp_path):
+    """No Infinity or NaN: a reader in another language must parse them. Non-finite floats become strings."""
+    from conformance.results import report
+    from conformance.results.records import CheckResult, Failure, RunResult
+
+    res = RunResult(implementation="x", implementation_version="1", seed=0, profile="quick", started="t",
+                    impl_spec="mod:Cache", metrics={"hit_rate": float("nan"), "max": float("inf")})
+    check = CheckResult(id="c", family="f", status="failed", metrics={"ratio": float("-inf")},
+                        failure=Failure(kind="logits", message="m", steps=[{"op": "drain", "max_steps": 1}],
+                                        seconds_to_failure=float("inf")))
+    res.checks.append(check)
+    report.write_failure_repro(tmp_path, res, check, {"block_size": 4})
+    report.write_all(tmp_path, res)
+
+    def no_constants(name):
+        raise AssertionError(f"non-strict JSON constant {name}")
+
+    doc = json.loads((tmp_path / "results.json").read_text(), parse_constant=no_constants)
+    assert doc["metrics"] == {"hit_rate": "nan", "max": "inf"} and doc["checks"][0]["metrics"]["ratio"] == "-inf"
+    json.loads((tmp_path / "repros" / "c.json").read_text(), parse_constant=no_constants)
+    # the printed replay command of a module:Class run carries --impl (replay never imports it from the file)
+    junit = (tmp_path / "junit.xml").read_text()
+    assert "replay: hybrid-conformance replay " in junit and "c.json --impl mod:Cache" in junit
+    assert "c.json --impl mod:Cache" in (tmp_path / "index.html").read_text()
+
+
+def test_report_folders_never_collide_and_say_mutant_and_faults(tmp_path):
+    from conformance.suite.options import default_report_dir
+
+    dirs = [default_report_dir("mod:Cache", 3, "late-snapshot", ("transfer-corrupt:p=0.5",), root=tmp_path)
+            for _ in range(3)]  # the same second
+    assert len(set(dirs)) == 3 and all(d.is_dir() for d in dirs)
+    assert "mod_Cache-mutant-late-snapshot-faults-transfer-corrupt_p_0_5-s3" in dirs[0].name

@@ -16,13 +16,13 @@ situation never occurred, not that a result was wrong: both are recorded
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
-from conformance.cli.common import add_impl_options, parse_options
+from conformance.cli.common import add_impl_options, parse_options, positive_int
 from conformance.errors import UsageError
+from conformance.results.files import strict_json
 from conformance.suite.run import RunOptions, run
 
 # What counts as the suite detecting a mutant: a general checker found a wrong
@@ -45,8 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--only", default="", help="only these mutants, comma separated")
     p.add_argument("--profile", default="quick", help="quick, standard or nightly (default quick)")
     p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
-    p.add_argument("--examples", type=int, default=None, help="Hypothesis examples per check (overrides profile)")
-    p.add_argument("--steps", type=int, default=None, help="operations per example (overrides profile)")
+    p.add_argument("--examples", type=positive_int, default=None,
+                   help="Hypothesis examples per check (overrides profile)")
+    p.add_argument("--steps", type=positive_int, default=None, help="operations per example (overrides profile)")
     p.set_defaults(func=main)
 
 
@@ -207,6 +208,6 @@ def main(args) -> int:
 def write(out: Path, impl: str, entries: list[dict]) -> dict:
     doc = {"implementation": impl, "summary": summarize(entries), "mutants": entries}
     tmp = out / "mutants.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.write_text(strict_json(doc, indent=2, default=str) + "\n")
     tmp.replace(out / "mutants.json")
     return doc

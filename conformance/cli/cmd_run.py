@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from conformance.cli.common import Progress, add_impl_options, parse_options, summary_lines
+from conformance.cli.common import Progress, add_impl_options, parse_options, positive_int, summary_lines
 from conformance.errors import UsageError
 from conformance.suite.run import RunOptions, run
 
@@ -17,11 +17,12 @@ def add_parser(sub) -> None:
     p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
     p.add_argument("--mutant", default=None, help="apply one registered mutant to the implementation")
     p.add_argument("--faults", default="", help="environment faults to inject, comma separated")
-    p.add_argument("--examples", type=int, default=None, help="Hypothesis examples per check (overrides profile)")
-    p.add_argument("--steps", type=int, default=None, help="operations per example (overrides profile)")
+    p.add_argument("--examples", type=positive_int, default=None,
+                   help="Hypothesis examples per check (overrides profile)")
+    p.add_argument("--steps", type=positive_int, default=None, help="operations per example (overrides profile)")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only share I of N of the checks (1-based; for CI matrices)")
-    p.add_argument("--workers", type=int, default=1, help="run checks in N processes on this machine")
+    p.add_argument("--workers", type=positive_int, default=1, help="run checks in N processes on this machine")
     p.add_argument("--shrink", default="hypothesis", choices=("hypothesis", "ops", "none"),
                    help="how a failure is minimized: Hypothesis's shrinker (thorough), by replaying subsets of "
                         "its operations (seconds), or not at all")

@@ -2,21 +2,46 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from conformance.errors import UsageError
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
+    return value
+
+
 def add_impl_options(p) -> None:
     p.add_argument("--impl", default="reference", help="reference, vllm or module:Class (default: reference)")
     p.add_argument("--seed", type=int, default=0, help="one seed reproduces the whole run (default 0)")
     p.add_argument("--report-dir", type=Path, default=None, help="where to write reports (default reports/<run-id>/)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds an implementation call may take (default 30)")
+    p.add_argument("--timeout", type=positive_float, default=30.0,
+                   help="seconds an implementation call may take (default 30)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="implementation option, e.g. interval=8 (JSON values; repeatable)")
-    p.add_argument("--block-size", type=int, default=None, help="override the checks' block size")
+    p.add_argument("--block-size", type=positive_int, default=None, help="override the checks' block size")
 
 
 def parse_options(pairs: list[str]) -> dict:

@@ -15,8 +15,15 @@ from conformance.suite.options import now as _now
 
 
 def run_engine(args) -> int:
-    from conformance.engine import run_engine_checks
+    from conformance.engine import PROFILES, run_engine_checks
+    from conformance.errors import UsageError
 
+    if args.profile not in PROFILES:
+        raise UsageError(f"--profile {args.profile!r}: the vllm-engine adapter has the profiles "
+                         f"{', '.join(PROFILES)}")
+    if getattr(args, "mutant", None):
+        raise UsageError(f"--mutant {args.mutant}: the vllm-engine adapter takes no mutant (its planted faults are "
+                         f"the option fault=...)")
     options = parse_options(args.option)
     result = RunResult(implementation="vllm-engine", implementation_version="", seed=args.seed,
                        profile=args.profile, started=_now(), impl_spec=args.impl, impl_config={"options": options})

@@ -40,6 +40,14 @@ img{max-width:100%;border:1px solid #e1e6ed;margin:6px 0}
 """
 
 
+def replay_command(repro: str, impl_spec: str | None) -> str:
+    """The command that replays a repro file.  A ``module:Class`` named by the
+    file is never imported from it (replay trusts only the command line), so
+    the command carries ``--impl`` for such a run."""
+    impl = f" --impl {impl_spec}" if impl_spec and ":" in impl_spec else ""
+    return f"hybrid-conformance replay {repro}{impl}"
+
+
 def run_label(r: dict) -> str:
     label = f"{r.get('implementation', '?')} {r.get('implementation_version', '')}".strip()
     if r.get("mutant"):
@@ -156,7 +164,7 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
         if f.get("repro"):
             rel = _rel(f["repro"], base)
             out.append(f"<p>repro: <a href='{e(rel)}'><code>{e(rel)}</code></a><br>replay: "
-                       f"<code>hybrid-conformance replay {e(f['repro'])}</code></p>")
+                       f"<code>{e(replay_command(f['repro'], r.get('impl_spec')))}</code></p>")
         steps = f.get("steps") or []
         if steps:
             body = "\n".join(f"{i + 1:>3}. {json.dumps(s)}" for i, s in enumerate(steps))

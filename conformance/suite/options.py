@@ -50,10 +50,33 @@ class RunOptions:
     workers: int = 1  # processes on this machine (conformance.suite.parallel)
 
 
-def default_report_dir(impl: str, seed: int) -> Path:
+def _safe(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in text)
+
+
+def default_report_dir(impl: str, seed: int, mutant: str | None = None, faults: tuple[str, ...] = (),
+                       root: Path = Path("reports")) -> Path:
+    """A new directory under ``root``, created here, named for the time, the
+    implementation, the mutant and the faults, and the seed.  Two runs started
+    in the same second get two directories (``.2``, ``.3``...): ``mkdir``
+    without ``exist_ok`` is the reservation, so even two processes never share one."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in impl)
-    return Path("reports") / f"{stamp}-{safe}-s{seed}"
+    parts = [stamp, _safe(impl)]
+    if mutant:
+        parts.append(f"mutant-{_safe(mutant)}")
+    if faults:
+        parts.append(f"faults-{_safe('+'.join(faults))}")
+    parts.append(f"s{seed}")
+    base = Path(root) / "-".join(parts)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while True:
+        path = base if n == 1 else base.with_name(f"{base.name}.{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
 
 
 def now() -> str:

@@ -44,7 +44,7 @@ def run(opts: RunOptions) -> RunResult:
                        impl_config={"options": opts.impl_options, "block_size": opts.block_size})
     out = None
     if opts.write_reports:
-        out = Path(opts.report_dir or default_report_dir(opts.impl, opts.seed))
+        out = Path(opts.report_dir or default_report_dir(opts.impl, opts.seed, opts.mutant, opts.faults))
         out.mkdir(parents=True, exist_ok=True)
     profile = PROFILES[opts.profile]
     notify = opts.progress or (lambda *a, **k: None)

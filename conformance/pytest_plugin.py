@@ -42,9 +42,9 @@ def pytest_addoption(parser) -> None:
     g.addoption("--hybrid-seed", type=int, default=0, help="seed (default 0, as the CLI)")
     g.addoption("--hybrid-examples", type=int, default=None, help="examples per check (overrides the profile)")
     g.addoption("--hybrid-steps", type=int, default=None, help="operations per example (overrides the profile)")
-    g.addoption("--hybrid-shrink", default="hypothesis", choices=("hypothesis", "ops"),
-                help="how a failing example is minimized: Hypothesis's shrinker (thorough, minutes) or by "
-                     "replaying subsets of its operations (seconds)")
+    g.addoption("--hybrid-shrink", default="ops", choices=("ops", "hypothesis+ops", "hypothesis", "none"),
+                help="how a failing example is minimized: by replaying subsets of its operations (default, "
+                     "seconds), Hypothesis's shrinker first (minutes), Hypothesis's alone, or not at all")
     g.addoption("--hybrid-report-dir", default=None, metavar="DIR",
                 help="write results.json, junit.xml, index.html and repros/ here")
 
@@ -61,7 +61,7 @@ class ConformanceRunner:
 
     def __init__(self, impl: str | object, profile: str = "quick", seed: int = 0, mutant: str | None = None,
                  examples: int | None = None, steps: int | None = None, report_dir: str | Path | None = None,
-                 shrink: str = "hypothesis"):
+                 shrink: str = "ops"):
         import torch
 
         from conformance.harness.oracle import Oracle

@@ -35,6 +35,34 @@ def test_mutant_run_exits_1_with_minimized_steps(tmp_path):
     assert check["failure"]["repro"]
 
 
+def test_every_repro_written_by_run_is_minimal(tmp_path):
+    """By default run minimizes by replay: removing any one operation of the
+    repro makes the failure go away (no inert submit-then-abort is left)."""
+    from conformance.adapters.reference import ReferenceCache
+    from conformance.harness.oracle import Oracle
+    from conformance.harness.ops import op_from_dict
+    from conformance.model import ModelConfig, TinyHybrid
+    from conformance.results.repro import load
+    from conformance.suite.minimize import replay_fails
+    from fault_injection.catalog import get_mutant
+
+    out = tmp_path / "m"
+    assert main(["run", "--mutant", "late-snapshot", "--check", "mid-block-hits", "--check", "snapshot-reuse",
+                 "--examples", "30", "--report-dir", str(out)]) == 1
+    repros = sorted((out / "repros").glob("*.json"))
+    assert len(repros) == 2
+    for path in repros:
+        repro = load(path)
+        model = TinyHybrid(ModelConfig(**json.loads(path.read_text())["model"]))
+        factory = get_mutant("late-snapshot").wrap(ReferenceCache)
+        ops = [op_from_dict(d) for d in json.loads(path.read_text())["steps"]]
+        exc, _ = replay_fails(factory, repro.impl_config, model, Oracle(model), ops)
+        assert exc is not None and exc.kind == repro.failure["kind"]
+        for i in range(len(ops)):
+            exc, _ = replay_fails(factory, repro.impl_config, model, Oracle(model), ops[:i] + ops[i + 1:])
+            assert exc is None or exc.kind != repro.failure["kind"], f"{path.name}: operation {i + 1} is inert"
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["run", "--impl", "no_such_module:Cache"], "cannot import no_such_module"),
     (["run", "--impl", "conformance.contract:Layout"], "does not meet the contract"),

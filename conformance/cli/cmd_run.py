@@ -23,9 +23,10 @@ def add_parser(sub) -> None:
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only share I of N of the checks (1-based; for CI matrices)")
     p.add_argument("--workers", type=positive_int, default=1, help="run checks in N processes on this machine")
-    p.add_argument("--shrink", default="hypothesis", choices=("hypothesis", "ops", "none"),
-                   help="how a failure is minimized: Hypothesis's shrinker (thorough), by replaying subsets of "
-                        "its operations (seconds), or not at all")
+    p.add_argument("--shrink", default="ops", choices=("ops", "hypothesis+ops", "hypothesis", "none"),
+                   help="how a failure is minimized: by replaying subsets of its operations until none can go "
+                        "(default: seconds, every repro minimal), Hypothesis's shrinker first and then that "
+                        "(minutes), Hypothesis's shrinker alone, or not at all")
     p.add_argument("--expectations", default=None, metavar="TOML",
                    help="exit by an expectations file (fixtures/expectations/<engine>-<version>.toml): "
                         "1 only for unexpected failures or passes")

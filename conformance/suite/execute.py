@@ -79,8 +79,8 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         return HybridCacheMachine(factory, spec, model=model, oracle=oracle, impl_config=impl_config,
                                   timeout=opts.timeout, recorder=recorder, attach=attach)
 
-    test = get_state_machine_test(machine, settings=hypothesis_settings(examples, steps,
-                                                                        shrink=opts.shrink == "hypothesis"))
+    test = get_state_machine_test(machine, settings=hypothesis_settings(
+        examples, steps, shrink=opts.shrink in ("hypothesis", "hypothesis+ops")))
     test = hypothesis_seed(opts.seed * 1000 + index)(test)
     started = time.perf_counter()
     status, failure = "passed", None
@@ -93,7 +93,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         first = recorder.first_failure or (None, None)
         failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
                           examples_to_failure=first[0], seconds_to_failure=first[1])
-        if opts.shrink == "ops" and steps_data:
+        if opts.shrink in ("ops", "hypothesis+ops") and steps_data:
             minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
     except UsageError:
         raise

@@ -8,7 +8,7 @@ import math
 from conformance.adapters import resolve
 from conformance.errors import UsageError
 from conformance.suite.checks import PROFILES, get_check
-from conformance.suite.options import RunOptions, default_model_config
+from conformance.suite.options import SHRINKS, RunOptions, default_model_config
 
 
 def prepare(opts: RunOptions):
@@ -63,6 +63,8 @@ def _check_numbers(opts: RunOptions) -> None:
                         ("--workers", opts.workers)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise UsageError(f"{flag} {value!r}: must be an integer of at least 1")
+    if opts.shrink not in SHRINKS:
+        raise UsageError(f"--shrink {opts.shrink!r}: expected one of {', '.join(SHRINKS)}")
     t = opts.timeout
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
         raise UsageError(f"--timeout {t!r}: must be a finite number of seconds above 0")

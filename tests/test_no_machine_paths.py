@@ -1,5 +1,5 @@
 """No path of one machine in the code or the docs: a user's checkout has no
-/work/venvs or /home/someone, so such a default silently finds nothing."""
+a work folder or a home folder of ours, so such a default silently finds nothing."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """No path of one machine in the code or the docs: a user's checkout has no
-a work folder or a home folder of ours, so such a default silently finds nothing."""
+work folder or home folder of ours, so such a default silently finds nothing."""
 
 from __future__ import annotations
 

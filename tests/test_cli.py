@@ -207,11 +207,13 @@ def test_report_folders_never_collide_and_say_mutant_and_faults(tmp_path):
 def test_the_engine_adapter_without_vllm_checks_nothing_and_exits_1(tmp_path, capsys):
     """`run --impl vllm-engine` where no interpreter has vLLM: every check skipped with the
     reason on the console, "nothing was checked", exit 1 (it used to end green)."""
+    import re
+
     nothing = tmp_path / "python"
     nothing.write_text("#!/bin/sh\nexit 1\n")  # an interpreter that has no vLLM (nor anything else)
     nothing.chmod(0o755)
     code = main(["run", "--impl", "vllm-engine", "--option", f"python={nothing}", "--report-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 1, err
-    assert "0 passed, 0 failed, 0 errors, 7 skipped" in err and "nothing was checked" in err
+    assert re.search(r"0 passed, 0 failed, 0 errors, \d+ skipped", err) and "nothing was checked" in err
     assert f"skipped engine-mid-block:qwen3next-tiny-sharp: vllm is not importable by {nothing}" in err

@@ -76,8 +76,12 @@ def _check_mutant_target(mutant, impl: str, factory) -> None:
     nothing."""
     from conformance.adapters.reference import ReferenceCache
 
-    if mutant.target == "reference":
+    if mutant.target in ("reference", "reference-disagg"):  # the latter wraps the reference's disaggregated mode
         fits = isinstance(factory, type) and issubclass(factory, ReferenceCache)
+        if not fits and mutant.target == "reference-disagg":
+            from conformance.harness.disagg.reference import ReferenceDisagg
+
+            fits = isinstance(factory, type) and issubclass(factory, ReferenceDisagg)
     else:
         fits = impl == mutant.target or getattr(factory, "__module__", "").startswith(
             f"conformance.adapters.{mutant.target}")

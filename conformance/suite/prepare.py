@@ -79,7 +79,7 @@ def _check_mutant_target(mutant, impl: str, factory) -> None:
     if mutant.target in ("reference", "reference-disagg"):  # the latter wraps the reference's disaggregated mode
         fits = isinstance(factory, type) and issubclass(factory, ReferenceCache)
         if not fits and mutant.target == "reference-disagg":
-            from conformance.harness.disagg.reference import ReferenceDisagg
+            from conformance.adapters.reference.disagg import ReferenceDisagg
 
             fits = isinstance(factory, type) and issubclass(factory, ReferenceDisagg)
     else:

@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 
 from conformance.results.files import atomic_write
+from conformance.results.matrix import families as families_of
+from conformance.results.matrix import family_cell, run_label
 
 # A family with a skipped check is not green: what was skipped was not checked.
-_ORDER = {"error": 0, "failed": 1, "skipped": 2, "passed": 3, None: 4}
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1d2430;background:#fff}
@@ -48,34 +49,6 @@ def replay_command(repro: str, impl_spec: str | None) -> str:
     return f"hybrid-conformance replay {repro}{impl}"
 
 
-def run_label(r: dict) -> str:
-    label = f"{r.get('implementation', '?')} {r.get('implementation_version', '')}".strip()
-    if r.get("mutant"):
-        label += f" + {r['mutant']}"
-    if r.get("fault_names"):
-        label += f" + faults {','.join(r['fault_names'])}"
-    return label
-
-
-def _families(results: list[dict]) -> list[str]:
-    seen: list[str] = []
-    for r in results:
-        for c in r.get("checks", []):
-            if c.get("family") not in seen:
-                seen.append(c.get("family"))
-    return seen
-
-
-def _cell(checks: list[dict]) -> tuple[str, str]:
-    """Worst status of a family's checks (one failing check fails the family)."""
-    if not checks:
-        return "none", "not run"
-    worst = min((c["status"] for c in checks), key=lambda s: _ORDER.get(s, 4))
-    title = "; ".join(f"{c['id']}: {c['status']}" + (f" ({c['reason']})" if c.get("reason") else "")
-                      for c in checks)
-    return worst, title
-
-
 def _rel(path: str, base: Path | None) -> str:
     if base is None:
         return path
@@ -91,7 +64,7 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
     (a run's own plots: a comparison written next to other files embeds none
     of theirs)."""
     e = html.escape
-    families = _families(results)
+    families = families_of(results)
     out = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
            f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
            f"<h1>{e(title)}</h1>",
@@ -110,7 +83,7 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
         badge = {"complete": "ok", "interrupted": "warn", "running": "warn", "nothing was checked": "bad"}[state]
         out.append(f"<tr><th>{e(run_label(r))}</th>")
         for f in families:
-            status, tip = _cell([c for c in r.get("checks", []) if c.get("family") == f])
+            status, tip = family_cell([c for c in r.get("checks", []) if c.get("family") == f])
             out.append(f"<td class='{status}' title='{e(tip)}'>{e(status)}</td>")
         out.append(f"<td class='num'>{s.get('passed', 0)}</td><td class='num'>{s.get('failed', 0)}</td>"
                    f"<td class='num'>{s.get('error', 0)}</td><td class='num'>{s.get('skipped', 0)}</td>"

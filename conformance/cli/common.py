@@ -49,6 +49,8 @@ class Progress:
             cov = ", ".join(f"{k}={v}" for k, v in r.coverage.items() if v)
             self._line(f"    {r.id}: {r.status.upper()} ({r.examples} examples, {r.steps} operations, "
                        f"{r.seconds:.1f}s) {cov}")
+            for note in r.notes:
+                self._line(f"      note: {note}")
             if r.failure is not None:
                 self._line(f"      {r.failure.kind}: {r.failure.message[:300]}")
                 if r.failure.repro:

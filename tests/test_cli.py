@@ -54,3 +54,25 @@ def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "conformance", "run", "--impl", "nope"], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "nope" in proc.stderr
+
+
+@pytest.mark.parametrize("flag,value", [("--kv-blocks", "1"), ("--kv-blocks", "-3"), ("--state-slots", "0"),
+                                        ("--state-slots", "x")])
+def test_pool_sizes_from_the_cli_are_validated(capsys, flag, value):
+    assert main(["run", "--check", "mid-block-hits", flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and len(err.splitlines()) == 1
+
+
+def test_pool_sizes_from_the_cli_reach_every_check(tmp_path):
+    from conformance.suite.checks import get_check
+    from conformance.suite.execute import check_impl_config
+    from conformance.suite.options import RunOptions
+
+    cfg = check_impl_config(get_check("eviction-pressure"), RunOptions(num_kv_blocks=40, num_state_slots=12))
+    assert (cfg.num_kv_blocks, cfg.num_state_slots) == (40, 12)
+    out = tmp_path / "pool"
+    assert main(["run", "--check", "mid-block-hits", "--examples", "4", "--kv-blocks", "40", "--state-slots", "12",
+                 "--report-dir", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["impl_config"]["num_kv_blocks"] == 40 and data["impl_config"]["num_state_slots"] == 12

@@ -17,6 +17,10 @@ def add_impl_options(p) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="implementation option, e.g. interval=8 (JSON values; repeatable)")
     p.add_argument("--block-size", type=int, default=None, help="override the checks' block size")
+    p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="override the checks' KV pool size (ImplConfig.num_kv_blocks; at least 2)")
+    p.add_argument("--state-slots", type=int, default=None, metavar="N",
+                   help="override the checks' state-slot pool size (ImplConfig.num_state_slots; at least 2)")
 
 
 def parse_options(pairs: list[str]) -> dict:

@@ -33,7 +33,8 @@ def record_check(out: Path | None, result: RunResult, res: CheckResult) -> None:
 
 def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
     tier = dict([tier_option]) if spec.tier and tier_option else {}
-    return spec.impl_config(block_size=opts.block_size, options={**spec.options, **tier, **opts.impl_options})
+    return spec.impl_config(block_size=opts.block_size, num_kv_blocks=opts.num_kv_blocks,
+                            num_state_slots=opts.num_state_slots, options={**spec.options, **tier, **opts.impl_options})
 
 
 _UNKNOWN = object()  # building the implementation failed: the check reports it itself

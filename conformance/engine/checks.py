@@ -234,8 +234,8 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
     return res
 
 
-def calibrate_tolerance(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str, exact: bool,
-               min_hit_share: float) -> Tolerance:
+def calibrate_tolerance(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str,
+                        exact: bool, min_hit_share: float) -> Tolerance:
     """Noise: every distinct prompt run a second time on the cache-off engine in
     another batch composition (batches of 3, reversed order, instead of 8), so
     the estimate is cache-off vs cache-off only.  Requests the cached engine

@@ -310,11 +310,24 @@ class Pressure(_Base):
     entries must be evicted."""
 
     @configured_rule(precondition=lambda self: self.enabled("pressure") and self.session is not None
-                     and not self.session.active(), junk=_junk)
-    def pressure(self, junk):
+                     and not self.session.active(), junk=_junk, which=lambda c: st.integers(0, 7),
+                     cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
+                     suffix=lambda c: strategies.tokens(c.vocab, 1))
+    def pressure(self, junk, which, cut, suffix):
+        before = list(self.session.tracks)
         for prompt in junk:
             self.apply(Submit(self.new_id(), prompt, 1))
             self.apply(Drain(1024))
+        # Reuse right after the pool turned over: a prefix of a request from
+        # before (evicted: a miss, or a load from a second tier), then one of
+        # the latest junk (what an LRU cache still holds), so that a hit after
+        # an eviction -- what eviction-pressure requires -- occurs every time.
+        earlier = [self.session.tracks[before[which % len(before)]].tokens] if before else []
+        for seq in (*earlier, junk[-1]):
+            again = seq[: min(cut, len(seq) - 1)] + suffix
+            if self.fits(len(again), 1):
+                self.apply(Submit(self.new_id(), again, 1))
+                self.apply(Drain(1024))
 
 
 class HybridCacheMachine(Prompts, Steps, Aborts, Pressure):

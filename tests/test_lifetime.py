@@ -176,3 +176,32 @@ def test_plan_with_copies_and_no_request_is_executed(model, oracle):
     assert CopyFirst.updates == 1 and s.active() == ["a"]
     s.apply(Drain(1024))
     assert CopyFirst.updates >= 2 and not s.active()  # then the request's own steps
+
+
+# ---------------------------------------------------------------- notes: a policy other than the check's
+
+
+class OwnPolicyCache(ReferenceCache):
+    """Keeps its own retention policy whatever the check configures, and says so in retention()."""
+
+    def __init__(self, config=None):
+        config = config or ImplConfig()
+        options = {k: v for k, v in config.options.items() if k not in ("interval", "admission")}
+        super().__init__(ImplConfig(config.block_size, config.num_kv_blocks, config.num_state_slots, options))
+
+
+def test_retention_note_names_what_differs():
+    from conformance.suite.execute import retention_note
+
+    assert retention_note({"interval": 8}, {"interval": 8, "admission": "always"}) is None
+    assert retention_note({"interval": 8}, None) is None
+    note = retention_note({"interval": 8, "admission": "second-hit"}, {"interval": None, "admission": "always"})
+    assert "interval=8" in note and "interval=None" in note and "admission='always'" in note
+    assert "tested against its own declaration" in note
+
+
+def test_a_declaration_other_than_the_checks_is_said_in_the_result():
+    res = run_single_check(OwnPolicyCache, "retention-policy", RunOptions(examples=3, steps=6, write_reports=False))
+    assert any("tested against its own declaration" in n for n in res.notes), res.notes
+    assert not run_single_check(ReferenceCache, "retention-policy",
+                                RunOptions(examples=2, steps=6, write_reports=False)).notes

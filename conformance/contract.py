@@ -24,6 +24,7 @@ version keep working.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -229,6 +230,9 @@ class CacheImplementation(Protocol):
 
     def view(self) -> CacheView: ...
 
+
+#: What the harness builds an implementation with: a class, or any callable ``f(config)``.
+ImplFactory = Callable[[ImplConfig], CacheImplementation]
 
 REQUIRED_METHODS = ("layout", "add_request", "schedule", "update", "abort", "view")
 

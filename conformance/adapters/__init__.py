@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import importlib
 
-from conformance.contract import missing_methods
+from conformance.contract import ImplFactory, missing_methods
 from conformance.errors import UsageError
 
 # Named adapters, imported lazily: vLLM is heavy and optional.
 NAMED = {
     "reference": "conformance.adapters.reference:ReferenceCache",
     "vllm": "conformance.adapters.vllm:VllmCache",
+    "sglang": "conformance.adapters.sglang:SglangCache",
 }
 ENGINE_LEVEL = {"vllm-engine"}
 
 
-def resolve(spec: str):
+def resolve(spec: str) -> ImplFactory:
     """``reference``, ``vllm`` or ``module:Class`` -> a factory ``f(ImplConfig)``."""
     target = NAMED.get(spec, spec)
     if ":" not in target:

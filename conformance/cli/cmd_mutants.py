@@ -41,15 +41,30 @@ def mutants_for(impl: str) -> list:
     from fault_injection.catalog import all_mutants
 
     MUTANTS = all_mutants()
-    target = "vllm" if impl == "vllm" else "reference"
-    if impl not in ("reference", "vllm"):  # module:Class: reference mutants subclass the reference only
+    target = impl if impl in ("vllm", "sglang") else "reference"
+    if impl not in ("reference", "vllm", "sglang"):  # module:Class: reference mutants subclass the reference only
         from conformance.adapters import resolve
         from conformance.adapters.reference import ReferenceCache
 
         factory = resolve(impl)
         if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
             return []
-    return [m for m in MUTANTS.values() if m.target == target]
+    # The reference's disaggregated mode has its own mutants, caught by the disagg family.
+    targets = {target, "reference-disagg"} if target == "reference" else {target}
+    return [m for m in MUTANTS.values() if m.target in targets]
+
+
+def planned_checks(mutant, profile: str) -> list[str]:
+    """The profile's checks, in order.  A mutant of the reference's disaggregated
+    mode runs only the checks that execute that mode (the disagg family): the
+    single-worker checks never call it, so they cannot catch it and would only
+    spend time."""
+    from conformance.suite.checks import PROFILES
+
+    specs = PROFILES[profile].checks
+    if mutant is not None and mutant.target == "reference-disagg":
+        specs = tuple(s for s in specs if s.disagg)
+    return [s.id for s in specs]
 
 
 def select(mutants: list, only: str) -> list:
@@ -67,9 +82,7 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
     """One mutant through the suite, up to the first check that catches it.
     A failure that says nothing about the mutant (a situation that never
     occurred) does not stop it: the remaining checks still get their chance."""
-    from conformance.suite.checks import PROFILES
-
-    remaining = list(base.checks) or [spec.id for spec in PROFILES[base.profile].checks]
+    remaining = list(base.checks) or planned_checks(mutant, base.profile)
     entry = {"name": mutant.name, "class": mutant.bug_class, "description": mutant.description,
              "detected": False, "check": None, "kind": None, "message": None,
              "examples_to_detection": None, "seconds_to_detection": None, "repro_steps": None, "repro": None,
@@ -111,9 +124,7 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
 
 def _ids_after(result, i: int, base: RunOptions) -> list[str]:
     """The checks of this run that come after check ``i`` (not run: the run stopped there)."""
-    from conformance.suite.checks import PROFILES
-
-    planned = list(base.checks) or [spec.id for spec in PROFILES[base.profile].checks]
+    planned = list(base.checks) or planned_checks(None, base.profile)
     ran = [c.id for c in result.checks]
     return planned[planned.index(ran[i]) + 1:] if ran[i] in planned else []
 

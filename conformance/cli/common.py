@@ -55,6 +55,8 @@ class Progress:
                        f"{r.seconds:.1f}s) {cov}")
             for note in r.notes:
                 self._line(f"      note: {note}")
+            if r.metrics.get("transport"):  # the disagg family says which transport carried the bytes
+                self._line(f"      transport: {r.metrics['transport']} ({r.metrics.get('transport_why', '')})")
             if r.failure is not None:
                 self._line(f"      {r.failure.kind}: {r.failure.message[:300]}")
                 if r.failure.repro:

@@ -39,6 +39,7 @@ DESCRIPTIONS = {
     "repeats": "exact replays of prompts, across calls and twice within one call",
     "concurrent": "groups of prefix-sharing prompts submitted together (more than run at once), then reversed",
     "eviction": "a small-memory engine flooded past its block pool (eviction, preemption), then replays",
+    "pd": "prefill and decode on two engines over vLLM's NixlConnector (see pd_checks.py)",
     "reference-agreement": "the cache-off engine against a plain transformers forward pass (validates the references)",
 }
 CALIBRATION_BATCH = 3  # another batch composition than the reference's 8
@@ -278,7 +279,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
     results: list[CheckResult] = []
     main = CachedEngine(VllmEngine(v.model, True, opts))
     traces: list[Trace] = []
-    families = [f for f in v.families if f != "eviction"]
+    families = [f for f in v.families if f not in ("eviction", "pd")]  # those two run on engines of their own
     block_size = None
     startup_error: EngineError | None = None
     try:
@@ -321,6 +322,15 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
                 info["eviction_engine"] = {"num_blocks": small.engine.info.extra.get("num_blocks")}
         finally:
             small.engine.close()
+
+    if "pd" in v.families:
+        from conformance.engine.pd_checks import run_pd_trace
+
+        cid = check_id("pd", v)
+        say(f"{cid}: running on a prefill engine and a decode engine (NixlConnector)")
+        tr, info["pd"] = run_pd_trace(cid, v, random.Random(_seed_for(seed, cid)), size, opts)
+        traces.append(tr)
+        block_size = block_size or info["pd"].get("decode_block_size")
 
     # References, in bulk, memoized (each distinct sequence once).
     items = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, _, _ in tr.requests()))
@@ -372,5 +382,9 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
                                        failure=Failure(kind="raised", message=ref_error)))
             continue
         results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements))
+        if tr.family == "pd":
+            from conformance.engine.pd_checks import pd_coverage
+
+            pd_coverage(results[-1], tr)
     info["measurements"] = {**agreement, **measurements}
     return info, results

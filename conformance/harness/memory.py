@@ -44,7 +44,6 @@ class Memory:
         # corrupted load that a step read from one that was never used.
         self.kv_origin: list[int | None] = [None] * layout.num_kv_blocks
         self.state_origin: list[int | None] = [None] * layout.num_state_slots
-        self.hooks: list = []  # environment faults can watch or corrupt writes
 
     # -- validation ----------------------------------------------------------------
     def check_block(self, block: int) -> None:
@@ -89,8 +88,6 @@ class Memory:
             self.kv_prov[b][off] = tokens[: pos + 1]
             if off == 0:  # a block computed from its start holds no loaded bytes
                 self.kv_origin[b] = None
-        for hook in self.hooks:
-            hook.after_kv_write(self, block_table, start, end)
 
     def mark_kv(self, block_table: tuple[int, ...], start: int, end: int, tokens: Prefix) -> None:
         """Provenance of a write without the bytes (the pool probe measures

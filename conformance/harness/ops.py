@@ -57,6 +57,10 @@ class Probe:
 
 Op = Submit | Step | Drain | Abort | Probe
 OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort, "probe": Probe}
+# The disaggregated family's operations (applied to a DisaggSession, not a Session).
+from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
+
+OP_TYPES.update(_DISAGG_OPS)
 _NAMES = {cls: name for name, cls in OP_TYPES.items()}
 
 

@@ -19,6 +19,7 @@ from conformance.contract import (
     CacheView,
     ContractError,
     ImplConfig,
+    ImplFactory,
     Layout,
     Request,
     StepPlan,
@@ -308,7 +309,7 @@ class Session:
 
 
 
-def make_session(impl_factory, impl_config: ImplConfig, model: TinyHybrid, oracle: Oracle,
+def make_session(impl_factory: ImplFactory, impl_config: ImplConfig, model: TinyHybrid, oracle: Oracle,
                  checkers: list[Checker], timeout: float | None = 30.0) -> Session:
     """Build the implementation (guarded) and a session judged by ``checkers``
     (compose them with :func:`conformance.judge.standard_checkers`)."""

@@ -42,6 +42,13 @@ CHECKS: tuple[CheckSpec, ...] = (
               "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
               frozenset({"continue", "step"}), ("checkpoints_offered", "state_lookups", "prefix_hits"),
               options={"interval": 8}, observe=("hit-rate",)),
+    # Prefill on one worker, decode on another, heterogeneous layouts, a real
+    # transfer between them (NIXL when it imports); see conformance/suite/disagg.py.
+    CheckSpec("disagg-transfer", "disagg",
+              "prefill/decode disaggregation: prompts ending on, beside and inside blocks, both layout pairings, "
+              "prefix hits before transfer, decode continuing while other transfers are in flight",
+              frozenset(), ("pairing_2to1", "pairing_1to2", "mid_block_prompt_ends", "state_shards_transferred",
+                            "transfers_verified", "prefill_hits", "in_flight_reuse"), disagg=True),
 )
 
 MIXED = mixed()

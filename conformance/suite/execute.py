@@ -72,6 +72,10 @@ def retention_note(configured: dict, declared) -> str | None:
 
 def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts: RunOptions, profile,
               index: int, env=None, notify=lambda *a, **k: None) -> CheckResult:
+    if spec.disagg:
+        from conformance.suite.disagg import run_disagg_check
+
+        return run_disagg_check(factory, spec, model, oracle, opts, profile, index, notify)
     examples = opts.examples or profile.examples
     steps = opts.steps or profile.steps
     tier_option = getattr(factory, "tier_option", None)

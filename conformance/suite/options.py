@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from conformance.model import ModelConfig
 
@@ -14,6 +15,13 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "t
 def default_model_config() -> ModelConfig:
     """The model every run uses unless told otherwise (the fixture, when the checkout has it)."""
     return ModelConfig.load(DEFAULT_MODEL) if DEFAULT_MODEL.exists() else ModelConfig()
+
+
+class ProgressFn(Protocol):
+    """Told of a run's progress: ``check-start`` (check, index, total), ``example``
+    (check, examples, steps, of) and ``check-end`` (check, result)."""
+
+    def __call__(self, event: str, **info: Any) -> None: ...
 
 
 @dataclass
@@ -33,7 +41,7 @@ class RunOptions:
     block_size: int | None = None
     num_kv_blocks: int | None = None  # override every check's pool sizes (--kv-blocks, --state-slots)
     num_state_slots: int | None = None
-    progress: object = None  # callable(event: str, **info)
+    progress: ProgressFn | None = None  # called with each event of the run
     write_reports: bool = True
     stop_at_failure: bool = False  # skip the remaining checks once one fails (the mutants self-check)
     # "hypothesis": Hypothesis shrinks the failing example; "ops": it does not, and the failing

@@ -114,7 +114,9 @@ def test_a_leaked_state_slot_fails_the_concurrent_probe(model, oracle):
     assert NO_KV_REFCOUNTS not in s.notes and any("state-slot refcounts" in n for n in s.notes)
 
 
-@pytest.mark.parametrize("spec", CHECKS, ids=lambda s: s.id)
+# The disagg family runs the implementation's disaggregated mode in its own
+# session (conformance/suite/disagg.py), not this cache: not probed here.
+@pytest.mark.parametrize("spec", [s for s in CHECKS if not s.disagg], ids=lambda s: s.id)
 def test_never_free_cache_fails_every_family_at_once(spec):
     """Within the first examples (seconds): the probe, or the pressure rule's stall,
     or (hit-rate) its empty view, never a pass."""

@@ -217,3 +217,25 @@ def test_the_engine_adapter_without_vllm_checks_nothing_and_exits_1(tmp_path, ca
     assert code == 1, err
     assert re.search(r"0 passed, 0 failed, 0 errors, \d+ skipped", err) and "nothing was checked" in err
     assert f"skipped engine-mid-block:qwen3next-tiny-sharp: vllm is not importable by {nothing}" in err
+
+
+@pytest.mark.parametrize("flag,value", [("--kv-blocks", "1"), ("--kv-blocks", "-3"), ("--state-slots", "0"),
+                                        ("--state-slots", "x")])
+def test_pool_sizes_from_the_cli_are_validated(capsys, flag, value):
+    assert main(["run", "--check", "mid-block-hits", flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert flag in err and len(err.splitlines()) == 1
+
+
+def test_pool_sizes_from_the_cli_reach_every_check(tmp_path):
+    from conformance.suite.checks import get_check
+    from conformance.suite.execute import check_impl_config
+    from conformance.suite.options import RunOptions
+
+    cfg = check_impl_config(get_check("eviction-pressure"), RunOptions(num_kv_blocks=40, num_state_slots=12))
+    assert (cfg.num_kv_blocks, cfg.num_state_slots) == (40, 12)
+    out = tmp_path / "pool"
+    assert main(["run", "--check", "mid-block-hits", "--examples", "4", "--kv-blocks", "40", "--state-slots", "12",
+                 "--report-dir", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["impl_config"]["num_kv_blocks"] == 40 and data["impl_config"]["num_state_slots"] == 12

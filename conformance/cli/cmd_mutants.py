@@ -183,7 +183,8 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, checks=tuple(args.check),
                       timeout=args.timeout, examples=args.examples, steps=args.steps,
-                      impl_options=parse_options(args.option), block_size=args.block_size)
+                      impl_options=parse_options(args.option), block_size=args.block_size,
+                      num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots)
     entries = []
     for i, mutant in enumerate(chosen):
         print(f"[{i + 1}/{len(chosen)}] {mutant.name} ...", file=sys.stderr, flush=True)

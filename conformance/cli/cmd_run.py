@@ -62,7 +62,8 @@ def main(args) -> int:
                       checks=tuple(args.check), mutant=args.mutant,
                       faults=tuple(f for f in args.faults.split(",") if f), timeout=args.timeout,
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
-                      block_size=args.block_size, progress=Progress(), shard=parse_shard(args.shard),
+                      block_size=args.block_size, num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots,
+                      progress=Progress(), shard=parse_shard(args.shard),
                       shrink=args.shrink, workers=args.workers)
     if args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1")

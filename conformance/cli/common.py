@@ -42,6 +42,10 @@ def add_impl_options(p) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="implementation option, e.g. interval=8 (JSON values; repeatable)")
     p.add_argument("--block-size", type=positive_int, default=None, help="override the checks' block size")
+    p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="override the checks' KV pool size (ImplConfig.num_kv_blocks; at least 2)")
+    p.add_argument("--state-slots", type=int, default=None, metavar="N",
+                   help="override the checks' state-slot pool size (ImplConfig.num_state_slots; at least 2)")
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -74,6 +78,8 @@ class Progress:
             cov = ", ".join(f"{k}={v}" for k, v in r.coverage.items() if v)
             self._line(f"    {r.id}: {r.status.upper()} ({r.examples} examples, {r.steps} operations, "
                        f"{r.seconds:.1f}s) {cov}")
+            for note in r.notes:
+                self._line(f"      note: {note}")
             if r.metrics.get("transport"):  # the disagg family says which transport carried the bytes
                 self._line(f"      transport: {r.metrics['transport']} ({r.metrics.get('transport_why', '')})")
             if r.status == "skipped":

@@ -25,6 +25,7 @@ from conformance.engine.tolerance import (
     conditioned_ceiling,
     hf_ceiling,
     max_abs_delta,
+    noise_verdict,
 )
 from conformance.engine.trace import CachedEngine, Trace, run_workload
 from conformance.engine.vllm_engine import VllmEngine
@@ -84,6 +85,9 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                       description=DESCRIPTIONS[tr.family], examples=1, steps=len(tr.rounds), seconds=tr.seconds,
                       coverage=cov)
     failure: Failure | None = None
+    too_noisy = noise_verdict(tol) if off is not None else None
+    if too_noisy:  # no comparison with cache-off can be trusted: said first, never widened
+        failure = Failure(kind="noise", message=too_noisy, steps=tr.repro())
     max_off = max_hf = 0.0
     hit_deltas: list[float] = []  # per request max |Δ| vs cache-off, for requests that hit
     miss_deltas: list[float] = []  # ... and for those that did not (the null distribution)
@@ -147,7 +151,7 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                                  "mean_abs_delta_cache_off_hits": mean(hit_deltas),
                                  "mean_abs_delta_cache_off_misses": mean(miss_deltas),
                                  "seconds": round(tr.seconds, 2)}
-    if tr.error is not None and failure is None:
+    if tr.error is not None and (failure is None or failure.kind == "noise"):
         failure = _engine_error_failure(tr)
     if failure is None and cov["expected_hits"]:
         share = cov["expected_hits_met"] / cov["expected_hits"]
@@ -231,8 +235,8 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
     return res
 
 
-def _calibrate(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str, exact: bool,
-               min_hit_share: float) -> Tolerance:
+def calibrate_tolerance(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str,
+                        exact: bool, min_hit_share: float) -> Tolerance:
     """Noise: every distinct prompt run a second time on the cache-off engine in
     another batch composition (batches of 3, reversed order, instead of 8), so
     the estimate is cache-off vs cache-off only.  Requests the cached engine
@@ -353,7 +357,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
                 say(f"{v.key}: transformers reference")
                 hf.prefetch([(r.prompt + o.tokens, len(r.prompt)) for tr in traces for r, o, _ in tr.requests()] +
                             [(p + off.get(p, n).tokens, len(p)) for p, n in items])
-            tol = _calibrate(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
+            tol = calibrate_tolerance(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
             if hf is not None:
                 results.append(reference_agreement(v, items, off, hf, tol, dtype, time.monotonic() - t0,
                                                    hf_cond=hf_cond, measurements=agreement))

@@ -111,7 +111,7 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
     # -- every check -------------------------------------------------------------------
     out.append("<h2>Checks</h2><table id='checks'><thead><tr><th>implementation</th><th>check</th><th>family</th>"
                "<th>status</th><th>examples</th><th>operations</th><th>seconds</th><th>first failure after</th>"
-               "</tr></thead><tbody>")
+               "<th>notes</th></tr></thead><tbody>")
     for r in results:
         for c in r.get("checks", []):
             f = c.get("failure") or {}
@@ -121,7 +121,8 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
             out.append(f"<tr><td>{e(run_label(r))}</td><td title='{e(c.get('description', ''))}'>{e(c['id'])}</td>"
                        f"<td>{e(str(c.get('family', '')))}</td><td class='{e(c['status'])}'>{e(status)}</td>"
                        f"<td class='num'>{c.get('examples', 0)}</td><td class='num'>{c.get('steps', 0)}</td>"
-                       f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td></tr>")
+                       f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td>"
+                       f"<td>{'<br>'.join(e(n) for n in c.get('notes') or [])}</td></tr>")
     out.append("</tbody></table>")
 
     # -- failures, with their repro files and the command that replays them -------------

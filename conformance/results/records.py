@@ -37,6 +37,10 @@ class CheckResult:
     failure: Failure | None = None
     reason: str = ""  # for skipped checks
     metrics: dict = field(default_factory=dict)  # cache metrics measured during the check (conformance/metrics.py)
+    # What this verdict could not rest on, said rather than silently passed: a
+    # checker that had nothing to check (no refcounts stated), a retention
+    # policy the implementation declared instead of the one the check configured.
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)

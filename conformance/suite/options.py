@@ -42,6 +42,8 @@ class RunOptions:
     model_config: ModelConfig | None = None
     impl_options: dict = field(default_factory=dict)
     block_size: int | None = None
+    num_kv_blocks: int | None = None  # override every check's pool sizes (--kv-blocks, --state-slots)
+    num_state_slots: int | None = None
     progress: ProgressFn | None = None  # called with each event of the run
     write_reports: bool = True
     stop_at_failure: bool = False  # skip the remaining checks once one fails (the mutants self-check)

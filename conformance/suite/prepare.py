@@ -17,6 +17,11 @@ def prepare(opts: RunOptions):
     if opts.profile not in PROFILES:
         raise UsageError(f"--profile {opts.profile!r}: expected one of {', '.join(PROFILES)}")
     _check_numbers(opts)
+    for flag, value in (("--kv-blocks", opts.num_kv_blocks), ("--state-slots", opts.num_state_slots)):
+        # The generator budgets at least 2 of each per request (HybridCacheMachine.fits).
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
+            raise UsageError(f"{flag} {value}: must be an integer of at least 2 (the generator budgets "
+                             f"ceil((prompt + new tokens) / B) + 1 blocks and 2 slots per request)")
     opts.impl_options = dict(opts.impl_options)  # defaults set below must not leak into the caller's dict
     factory = resolve(opts.impl)
     try:

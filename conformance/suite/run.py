@@ -41,7 +41,8 @@ def run(opts: RunOptions) -> RunResult:
     result = RunResult(implementation=name, implementation_version=version, seed=opts.seed, profile=opts.profile,
                        started=now(), model=model_config.to_dict(), mutant=opts.mutant,
                        impl_spec=opts.impl, fault_names=list(opts.faults),
-                       impl_config={"options": opts.impl_options, "block_size": opts.block_size})
+                       impl_config={"options": opts.impl_options, "block_size": opts.block_size,
+                                    "num_kv_blocks": opts.num_kv_blocks, "num_state_slots": opts.num_state_slots})
     out = None
     if opts.write_reports:
         out = Path(opts.report_dir or default_report_dir(opts.impl, opts.seed, opts.mutant, opts.faults))

@@ -58,21 +58,34 @@ def _rel(path: str, base: Path | None) -> str:
         return path
 
 
+_e = html.escape
+
+
 def render(results: list[dict], base: Path | None = None, title: str = "hybrid-cache-conformance",
            plots: list[Path] | tuple[Path, ...] = ()) -> str:
     """``base``: where relative links start; ``plots``: the PNG files to embed
     (a run's own plots: a comparison written next to other files embeds none
     of theirs)."""
-    e = html.escape
-    families = families_of(results)
+    e = _e
     out = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
            f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
            f"<h1>{e(title)}</h1>",
            f"<div class='meta'>{len(results)} run{'s' if len(results) != 1 else ''}; generated "
            f"{_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}</div>"]
+    out += _matrix(results)
+    out += _coverage(results)
+    out += _checks(results)
+    out += _failures(results, base)
+    out += _faults_and_plots(results, plots)
+    out.append("</body></html>\n")
+    return "".join(out)
 
-    # -- the matrix: one row per run, one column per family ----------------------------
-    out.append("<h2>Matrix</h2><table id='matrix'><thead><tr><th>implementation</th>")
+
+def _matrix(results: list[dict]) -> list[str]:
+    """One row per run, one column per family."""
+    e = _e
+    families = families_of(results)
+    out = ["<h2>Matrix</h2><table id='matrix'><thead><tr><th>implementation</th>"]
     out += [f"<th>{e(str(f))}</th>" for f in families]
     out.append("<th>passed</th><th>failed</th><th>errors</th><th>skipped</th><th>run</th></tr></thead><tbody>")
     for r in results:
@@ -90,28 +103,37 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
                    f"<td><span class='badge {badge}'>{state}</span> seed {e(str(r.get('seed', '')))}, "
                    f"{e(str(r.get('profile', '')))}</td></tr>")
     out.append("</tbody></table>")
+    return out
 
-    # -- coverage: how often each situation occurred ------------------------------------
+
+def _coverage(results: list[dict]) -> list[str]:
+    """How often each situation occurred."""
+    e = _e
     counters: list[str] = []
     for r in results:
         counters += [k for k in (r.get("coverage") or {}) if k not in counters]
-    if counters:
-        out.append("<h2>Coverage</h2><p class='meta'>Times each situation occurred over all examples; "
-                   "a 0 means the run could not have caught bugs that need it.</p>")
-        out.append("<div class='scroll'><table id='coverage'><thead><tr><th>implementation</th>")
-        out += [f"<th>{e(k)}</th>" for k in counters]
-        out.append("</tr></thead><tbody>")
-        for r in results:
-            cov = r.get("coverage") or {}
-            out.append(f"<tr><th>{e(run_label(r))}</th>")
-            out += [f"<td class='num{' zero' if not cov.get(k) else ''}'>{int(cov.get(k, 0))}</td>" for k in counters]
-            out.append("</tr>")
-        out.append("</tbody></table></div>")
+    if not counters:
+        return []
+    out = ["<h2>Coverage</h2><p class='meta'>Times each situation occurred over all examples; "
+           "a 0 means the run could not have caught bugs that need it.</p>",
+           "<div class='scroll'><table id='coverage'><thead><tr><th>implementation</th>"]
+    out += [f"<th>{e(k)}</th>" for k in counters]
+    out.append("</tr></thead><tbody>")
+    for r in results:
+        cov = r.get("coverage") or {}
+        out.append(f"<tr><th>{e(run_label(r))}</th>")
+        out += [f"<td class='num{' zero' if not cov.get(k) else ''}'>{int(cov.get(k, 0))}</td>" for k in counters]
+        out.append("</tr>")
+    out.append("</tbody></table></div>")
+    return out
 
-    # -- every check -------------------------------------------------------------------
-    out.append("<h2>Checks</h2><table id='checks'><thead><tr><th>implementation</th><th>check</th><th>family</th>"
-               "<th>status</th><th>examples</th><th>operations</th><th>seconds</th><th>first failure after</th>"
-               "<th>notes</th></tr></thead><tbody>")
+
+def _checks(results: list[dict]) -> list[str]:
+    """Every check of every run."""
+    e = _e
+    out = ["<h2>Checks</h2><table id='checks'><thead><tr><th>implementation</th><th>check</th><th>family</th>"
+           "<th>status</th><th>examples</th><th>operations</th><th>seconds</th><th>first failure after</th>"
+           "<th>notes</th></tr></thead><tbody>"]
     for r in results:
         for c in r.get("checks", []):
             f = c.get("failure") or {}
@@ -124,10 +146,14 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
                        f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td>"
                        f"<td>{'<br>'.join(e(n) for n in c.get('notes') or [])}</td></tr>")
     out.append("</tbody></table>")
+    return out
 
-    # -- failures, with their repro files and the command that replays them -------------
+
+def _failures(results: list[dict], base: Path | None) -> list[str]:
+    """Failures, with their repro files and the command that replays them."""
+    e = _e
     failures = [(r, c) for r in results for c in r.get("checks", []) if c["status"] in ("failed", "error")]
-    out.append(f"<h2>Failures ({len(failures)})</h2>")
+    out = [f"<h2>Failures ({len(failures)})</h2>"]
     if not failures:
         out.append("<p><span class='badge ok'>none</span></p>")
     for r, c in failures:
@@ -145,8 +171,12 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
             out.append(f"<details><summary>minimized sequence ({len(steps)} operations)</summary>"
                        f"<pre>{e(body)}</pre></details>")
         out.append("</div>")
+    return out
 
-    # -- faults and plots --------------------------------------------------------------
+
+def _faults_and_plots(results: list[dict], plots) -> list[str]:
+    e = _e
+    out = []
     faults = [(r, name, info) for r in results for name, info in (r.get("faults") or {}).items()]
     if faults:
         out.append("<h2>Faults</h2><table><tr><th>implementation</th><th>fault</th><th>report</th></tr>")
@@ -159,8 +189,7 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
             data = base64.b64encode(p.read_bytes()).decode("ascii")
             out.append(f"<figure><img alt='{e(p.name)}' src='data:image/png;base64,{data}'>"
                        f"<figcaption>{e(p.name)}</figcaption></figure>")
-    out.append("</body></html>\n")
-    return "".join(out)
+    return out
 
 
 def write_index(out: Path, results: list[dict], title: str = "hybrid-cache-conformance") -> Path:

@@ -239,7 +239,10 @@ class VllmDisagg:
 
     def _transfer(self, rid: str, m) -> DisaggTransfer:
         local, remote = m.local_block_ids, m.remote.block_ids
-        T = int(m.remote.num_tokens or 0)  # what the prefill computed (N-1 for Mamba)
+        # The tokens the decode side claimed (vLLM's worker reads no more than the blocks it
+        # allocated for them), never more than the prefill computed (N-1 for Mamba).
+        claimed = self.decode.scheduler.requests[rid].num_computed_tokens
+        T = min(int(m.remote.num_tokens or claimed), claimed)
         # The decode side's local hit, in its attention group (vLLM never re-sends it).
         hit = m.local_num_computed_blocks
         L = (hit[ATTN_GROUP] if hit else 0) * self.D.block_size

@@ -60,8 +60,13 @@ from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP, VllmOptions, build_kv_cache_config, \
-    build_vllm_config
+from conformance.adapters.vllm.config import (
+    ATTN_GROUP,
+    MAMBA_GROUP,
+    VllmOptions,
+    build_kv_cache_config,
+    build_vllm_config,
+)
 from conformance.adapters.vllm.translate import RunnerState
 from conformance.contract import ImplConfig, Layout, Request
 from conformance.disagg.contract import (

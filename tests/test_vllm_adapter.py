@@ -374,7 +374,7 @@ def test_pd_general_scenario_through_two_schedulers(model, oracle, pairing):
 
 
 @pytest.mark.parametrize("fault", ["drop-descriptor", "truncate-tail", "corrupt-bytes", "reorder-completions",
-                                   "lose-notification", "kill-peer"])
+                                   "lose-notification", "kill-peer", "dtype-mismatch"])
 def test_pd_survives_transfer_faults(model, oracle, fault):
     from conformance.harness.disagg import ops as dops
     from conformance.harness.disagg.faults import FaultSpec
@@ -383,6 +383,9 @@ def test_pd_survives_transfer_faults(model, oracle, fault):
                 dops.Submit("c", 40, shared=40), dops.Drain())
     s = _pd_run(model, oracle, scenario, faults=(FaultSpec(fault, 0),))
     assert [e.fault for e in s.events] == [fault]
+    if fault == "dtype-mismatch":  # the handshake refuses: every load fails, vLLM recomputes each
+        assert s.impl.refused and s.impl.stats["failed_recving"] == 3 and s.impl.stats["transfers"] == 0
+        return
     harmless = fault in ("reorder-completions", "lose-notification")  # READ: decode knows its own completion
     assert (s.impl.stats["failed_recving"] >= 1) != harmless
 
@@ -405,3 +408,17 @@ def test_pd_mutant_is_caught_by_the_general_scenario(model, oracle, name):
         for pairing in sorted(dops.PAIRINGS):
             _pd_run(model, oracle, dops.GENERAL, pairing, factory=factory)
     assert e.value.kind == "logits"
+
+
+def test_pd_disagg_transfer_check_passes_with_full_coverage(tmp_path):
+    """The family as the CLI runs it (``run --impl vllm --check disagg-transfer``), on NIXL
+    when it imports: vLLM's two schedulers reach every situation the check requires."""
+    from conformance.suite.checks import get_check
+    from conformance.suite.run import RunOptions, run
+
+    result = run(RunOptions(impl="vllm", checks=("disagg-transfer",), report_dir=tmp_path))
+    (check,) = result.checks
+    assert check.status == "passed", check.failure
+    for counter in get_check("disagg-transfer").required:
+        assert check.coverage[counter] > 0, counter
+    assert check.coverage["recomputes"] > 0  # a transfer fault fired and vLLM recomputed

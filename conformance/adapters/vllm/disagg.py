@@ -147,6 +147,7 @@ class VllmDisagg:
             WorkerLayout(DECODE, o["decode_block"], o["decode_pages"], o["decode_shards"]))
         self.P: WorkerGeometry
         self.D: WorkerGeometry
+        self.refused = ""
         self.prompts: dict[str, Request] = {}
         self.live: set[str] = set()  # added, neither finished nor aborted
         self.aborted: set[str] = set()
@@ -174,6 +175,16 @@ class VllmDisagg:
 
     def connect(self, hs: Handshake) -> None:
         self.P, self.D = hs.prefill, hs.decode
+        # vLLM's worker compares a compatibility hash (model, dtypes, layouts) at the NIXL
+        # handshake and raises on a mismatch (``enforce_handshake_compat``, nixl/base_worker.py);
+        # the load then fails and the request is reported in failed_recving.
+        p, d = hs.prefill, hs.decode
+        shape = ("attn_layers", "attn_heads", "head_dim", "rec_layers", "rec_heads", "key_dim", "value_dim",
+                 "conv_rows")
+        diff = [f for f in shape if getattr(p, f) != getattr(d, f)]
+        if p.layout.state_dtype != d.layout.state_dtype:
+            diff.append(f"state dtype {p.layout.state_dtype} vs {d.layout.state_dtype}")
+        self.refused = f"NIXL compatibility hash mismatch: {', '.join(diff)}" if diff else ""
 
     def add_request(self, r: Request) -> None:
         if r.request_id in self.prompts:
@@ -238,6 +249,9 @@ class VllmDisagg:
                 # nothing to pull: the worker only notifies the prefill side
                 self.stats["local_only"] += 1
                 self._send_done(rid)
+                continue
+            if self.refused:
+                self._recv_done(rid, ok=False)  # the handshake failed: nothing is read
                 continue
             out.append(self._transfer(rid, m))
         return out

@@ -368,7 +368,7 @@ def test_pd_general_scenario_through_two_schedulers(model, oracle, pairing):
     assert c["transfers_verified"] > 0 and c["recomputes"] > 0  # the killed peer: vLLM recomputes
     impl = s.impl
     assert type(impl.prefill.scheduler.connector).__name__.startswith("Nixl")
-    assert impl.stats["failed_recving"] >= 1 and impl.stats["transfers"] >= 3
+    assert impl.stats["failed_recving"] >= 1 and impl.stats["transfers"] >= 3 and impl.stats["expired"] == 0
     # finished_sending reached the prefill side: nothing held once every request finished
     assert impl.view()["prefill_used"] == [] and impl.view()["decode_used"] == []
 
@@ -388,6 +388,7 @@ def test_pd_survives_transfer_faults(model, oracle, fault):
         return
     harmless = fault in ("reorder-completions", "lose-notification")  # READ: decode knows its own completion
     assert (s.impl.stats["failed_recving"] >= 1) != harmless
+    assert s.impl.stats["expired"] == 0
 
 
 def test_pd_mutants_are_registered_for_the_disagg_family():

@@ -90,7 +90,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 _EOS = 2
 _PLACEHOLDER = 0  # the prefill's one sampled token: vLLM needs one, nobody reads it
 DEFAULTS = {"prefill_block": 16, "decode_block": 16, "prefill_shards": 1, "decode_shards": 1,
-            "prefill_pages": 64, "decode_pages": 64, "deadline_steps": 6, "op": "READ"}
+            "prefill_pages": 64, "decode_pages": 64, "deadline_steps": 16, "op": "READ"}
 KNOWN = set(DEFAULTS)
 
 
@@ -153,7 +153,8 @@ class VllmDisagg:
         self.aborted: set[str] = set()
         self.recv: dict[int, _Recv] = {}  # transfer id -> the decode request it feeds
         self.next_transfer = 1
-        self.stats = {"transfers": 0, "failed_recving": 0, "finished_sending": 0, "local_only": 0}
+        self.stats = {"transfers": 0, "failed_recving": 0, "finished_sending": 0, "local_only": 0,
+                      "expired": 0}
         self._done: set[str] = set()  # decode requests vLLM finished during this update
 
     def _side(self, worker: str, block: int, pages: int, role: str) -> _Side:
@@ -306,11 +307,13 @@ class VllmDisagg:
         return _merge(out)
 
     def _expire(self) -> None:
-        """A transfer that never reports (a lost notification under WRITE) is a failed load."""
+        """A transfer that never reports is a failed load (a guard: under READ every
+        transfer reports, its own failure included)."""
         for tid, r in list(self.recv.items()):
             r.waited += 1
             if r.waited > self.o["deadline_steps"]:
                 del self.recv[tid]
+                self.stats["expired"] += 1
                 self._recv_done(r.rid, ok=False)
 
     # -- update -------------------------------------------------------------------------------

@@ -397,6 +397,10 @@ def test_pd_mutants_are_registered_for_the_disagg_family():
     pd = {n: m for n, m in all_mutants().items() if m.target == "vllm-disagg"}
     assert set(pd) == {"vllm-pd-failed-recv-as-finished", "vllm-pd-last-state-sent"}
     assert all(m.description for m in pd.values())
+    from conformance.suite.prepare import _check_mutant_target
+
+    for m in pd.values():  # --impl vllm --mutant NAME is accepted
+        _check_mutant_target(m, "vllm", VllmCache)
 
 
 @pytest.mark.parametrize("name", ["vllm-pd-failed-recv-as-finished", "vllm-pd-last-state-sent"])

@@ -397,10 +397,11 @@ def test_pd_mutants_are_registered_for_the_disagg_family():
     pd = {n: m for n, m in all_mutants().items() if m.target == "vllm-disagg"}
     assert set(pd) == {"vllm-pd-failed-recv-as-finished", "vllm-pd-last-state-sent"}
     assert all(m.description for m in pd.values())
-    from conformance.suite.prepare import _check_mutant_target
+    from conformance.suite.options import RunOptions
+    from conformance.suite.prepare import prepare
 
-    for m in pd.values():  # --impl vllm --mutant NAME is accepted
-        _check_mutant_target(m, "vllm", VllmCache)
+    for name in pd:  # --impl vllm --mutant NAME is accepted (and wraps the disaggregated mode)
+        prepare(RunOptions(impl="vllm", mutant=name, checks=("disagg-transfer",)))
 
 
 @pytest.mark.parametrize("name", ["vllm-pd-failed-recv-as-finished", "vllm-pd-last-state-sent"])

@@ -66,19 +66,19 @@ def mutants_for(impl: str) -> list:
         if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
             return []
     # The reference's disaggregated mode has its own mutants, caught by the disagg family.
-    targets = {target, "reference-disagg"} if target == "reference" else {target}
+    targets = {target, f"{target}-disagg"} if target in ("reference", "vllm") else {target}
     return [m for m in MUTANTS.values() if m.target in targets]
 
 
 def planned_checks(mutant, profile: str) -> list[str]:
-    """The profile's checks, in order.  A mutant of the reference's disaggregated
-    mode runs only the checks that execute that mode (the disagg family): the
+    """The profile's checks, in order.  A mutant of a disaggregated mode (the
+    reference's, vLLM's) runs only the checks that execute that mode (the disagg family): the
     single-worker checks never call it, so they cannot catch it and would only
     spend time."""
     from conformance.suite.checks import PROFILES
 
     specs = PROFILES[profile].checks
-    if mutant is not None and mutant.target == "reference-disagg":
+    if mutant is not None and mutant.target.endswith("-disagg"):
         specs = tuple(s for s in specs if s.disagg)
     return [s.id for s in specs]
 

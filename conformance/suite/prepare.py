@@ -88,8 +88,9 @@ def _check_mutant_target(mutant, impl: str, factory) -> None:
 
             fits = isinstance(factory, type) and issubclass(factory, ReferenceDisagg)
     else:
-        fits = impl == mutant.target or getattr(factory, "__module__", "").startswith(
-            f"conformance.adapters.{mutant.target}")
+        # "vllm-disagg" wraps the vLLM adapter's disaggregated mode (VllmCache.disagg_factory)
+        target = mutant.target.removesuffix("-disagg")
+        fits = impl == target or getattr(factory, "__module__", "").startswith(f"conformance.adapters.{target}")
     if not fits:
         raise UsageError(f"--mutant {mutant.name}: a mutant of the {mutant.target} implementation, not of "
                          f"--impl {impl}")

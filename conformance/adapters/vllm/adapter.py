@@ -24,6 +24,7 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from conformance.adapters.vllm.config import VllmOptions, build_kv_cache_config, build_vllm_config
+from conformance.adapters.vllm.disagg import VllmDisagg
 from conformance.adapters.vllm.translate import RunnerState
 from conformance.adapters.vllm.view import HashRegistry, build_view
 from conformance.contract import ImplConfig, Layout, Request, StepPlan, StepResult
@@ -36,6 +37,8 @@ class VllmCache:
     name = "vllm"
     version = vllm.__version__
     tier_option = ("connector", True)  # the store connector, asynchronous loads (see .connector)
+    # Prefill/decode: two Schedulers with the NixlConnector's scheduler side (see .disagg).
+    disagg_factory = VllmDisagg
 
     @classmethod
     def validate_options(cls, config: ImplConfig) -> None:

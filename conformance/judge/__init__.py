@@ -21,11 +21,12 @@ def standard_checkers(families: tuple[str, ...] = ()) -> list[Checker]:
     logits, the view against memory, and the retention families a check adds
     (``CheckSpec.observe``: ``"retention"``, ``"hit-rate"``)."""
     from conformance.judge.coverage import CoverageCounter
+    from conformance.judge.hard_coverage import HardHistoryCoverage
     from conformance.judge.invariants import TablesReferenced, ViewMatchesMemory
     from conformance.judge.logits import LogitsMatchReference
     from conformance.judge.retention import RetentionChecker
 
-    return [CoverageCounter(), TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(),
+    return [CoverageCounter(), HardHistoryCoverage(), TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(),
             *(RetentionChecker(family) for family in families)]
 
 

@@ -408,7 +408,7 @@ class Transfers(_Base):
                      and not self.session.active() and self.finished,
                      which=lambda c: st.integers(0, 7), junk=_junk,
                      fates=lambda c: st.lists(st.tuples(st.integers(0, 3), st.sampled_from(OUTCOMES + ("evict",)),
-                                                        st.integers(0, 2)), min_size=1, max_size=3))
+                                                        st.integers(0, 2)), min_size=2, max_size=4))
     def reload_and_decide(self, which, junk, fates):
         """A finished prompt displaced to the host tier and asked for again;
         its loads are decided at once (outcome, delay, order; or the host

@@ -19,7 +19,7 @@ evictions, which the coverage checker counts from views memory proved honest.
   step where at most two state slots are unreferenced;
 - ``aborts_mid_prefill``, ``aborts_mid_decode``,
   ``aborts_mid_prefill_after_mid_block_hit``: aborts of requests that ran;
-- ``loads_held``, ``loads_delayed``, ``loads_failed``, ``loads_short``,
+- ``loads_broken`` (failed or short), ``loads_held``, ``loads_delayed``, ``loads_failed``, ``loads_short``,
   ``loads_reordered``, ``store_evicted_during_load``, ``claims_while_loading``,
   ``aborts_while_loading``: the transfer decisions that acted.
 """
@@ -33,7 +33,7 @@ from conformance.judge.reuse import INDEXES
 HARD_COUNTERS = ("evictions_while_running", "same_step_cold_prefills", "aba_rerequests", "in_block_divergences",
                  "tail_divergences", "matched_then_evicted", "snapshot_hits_under_slot_pressure",
                  "aborts_mid_prefill", "aborts_mid_decode", "aborts_mid_prefill_after_mid_block_hit")
-TRANSFER_COUNTERS = ("loads_held", "loads_delayed", "loads_failed", "loads_short", "loads_reordered",
+TRANSFER_COUNTERS = ("loads_broken", "loads_held", "loads_delayed", "loads_failed", "loads_short", "loads_reordered",
                      "store_evicted_during_load", "claims_while_loading", "aborts_while_loading")
 _CONTROL = {"held": "loads_held", "delayed": "loads_delayed", "failed": "loads_failed", "short": "loads_short",
             "reordered": "loads_reordered", "store_evicted": "store_evicted_during_load"}
@@ -117,6 +117,7 @@ class HardHistoryCoverage(Checker):
         if control is not None:
             for name, key in _CONTROL.items():
                 session.coverage[key] = control.counts[name]
+            session.coverage["loads_broken"] = control.counts["failed"] + control.counts["short"]
 
     def aborted(self, session, request_id):
         track = session.tracks[request_id]

@@ -407,22 +407,28 @@ class Transfers(_Base):
     @configured_rule(precondition=lambda self: self.enabled("transfers") and self.session is not None
                      and not self.session.active() and self.finished,
                      which=lambda c: st.integers(0, 7), junk=_junk,
-                     fates=lambda c: st.lists(st.tuples(st.integers(0, 3), st.sampled_from(OUTCOMES + ("evict",)),
+                     fates=lambda c: st.lists(st.tuples(st.integers(0, 3), st.sampled_from(("short", "fail", "evict", "ok")),
                                                         st.integers(0, 2)), min_size=2, max_size=4))
     def reload_and_decide(self, which, junk, fates):
         """A finished prompt displaced to the host tier and asked for again;
         its loads are decided at once (outcome, delay, order; or the host
         entry evicted after the lookup)."""
-        prev = self.session.tracks[self.finished[which % len(self.finished)]]
+        # the longer prompts first: only what spans a block can come back from the tier
+        longest = sorted(self.finished, key=lambda r: -self.session.tracks[r].prompt_len)
+        prev = self.session.tracks[longest[which % min(2, len(longest))]]
         for prompt in junk:
             self.apply(Submit(self.new_id(), prompt, 1))
             self.apply(Drain(1024))
         if self.fits(prev.prompt_len, 1):
             self.apply(Submit(self.new_id(), prev.tokens[: prev.prompt_len], 1))
             self.apply(Step(1))
+        decided = False
         for pick, outcome, delay in fates:
             if self.session.pending_loads():
                 self.apply(StoreEvict(pick) if outcome == "evict" else Deliver(pick, outcome, delay))
+                decided = True
+        if decided:
+            self.apply(Step(1))  # what was decided for now happens (the delayed stay pending)
 
     @configured_rule(precondition=lambda self: self._loading(), pick=lambda c: st.integers(0, 3),
                      outcome=lambda c: st.sampled_from(OUTCOMES), delay=lambda c: st.integers(0, 2))

@@ -54,7 +54,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               "one cold prefix many times in one step; A->B->A; prompts diverging at every offset inside a block",
               frozenset({"burst", "aba", "diverge", "step"}),
               ("same_step_cold_prefills", "aba_rerequests", "in_block_divergences", "tail_divergences"),
-              num_kv_blocks=32, num_state_slots=12, max_seq_blocks=8),
+              num_kv_blocks=32, num_state_slots=12, max_seq_blocks=8, observe=("expected-hit",)),
     CheckSpec("kv-scarce", "eviction",
               "KV blocks scarcer than state slots: cached KV evicted under running requests",
               frozenset({"live-pressure", "burst", "step", "continue"}), ("evictions_while_running", "prefix_hits"),
@@ -71,7 +71,8 @@ CHECKS: tuple[CheckSpec, ...] = (
               "loads completing late, out of order, failed or short, racing local and remote eviction and aborts",
               frozenset({"transfers", "aba", "step"}),
               ("tier_loads", "loads_held", "loads_delayed", "loads_broken", "store_evicted_during_load"),
-              num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True),
+              num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True,
+              observe=("expected-hit",)),
 )
 
 MIXED = mixed()

@@ -24,7 +24,9 @@ that ends inside a block counts every token).  Two verdicts:
 
 The remote part is excused, not failed, where a correct implementation could
 not have reused it: a load of the request that came back failed, short or
-missing (a fault or a ``Deliver``/``StoreEvict`` decision fired on it), or a
+missing (a fault or a ``Deliver``/``StoreEvict`` decision fired on it; the
+entries such a load read are not counted for any later request either: a
+correct cache may stop trusting a host entry that once came back bad), or a
 device without the room to bring it in (fewer unreferenced blocks than the
 blocks to load plus one, or fewer than two unreferenced state slots).
 An implementation that declares no tier unit is held to the local part only.
@@ -43,10 +45,12 @@ Prefix = tuple[int, ...]
 class StoreIndex:
     """The host store's whole entries, by the prefix their provenance names."""
 
-    def __init__(self, store, block_size: int):
+    def __init__(self, store, block_size: int, distrusted: set[str] = frozenset()):
         self.kv: set[Prefix] = set()  # prefixes whose last full block an entry holds
         self.states: set[Prefix] = set()
-        for entry in store.entries.values():
+        for key, entry in store.entries.items():
+            if key in distrusted:
+                continue
             prov = entry.payload.prov
             if entry.payload.kind == "kv":
                 cells = prov.get("kv") or []
@@ -67,6 +71,7 @@ class ExpectedHit(Checker):
         self.remote_floor: dict[str, int] = {}  # waiting request -> least remote reuse seen
         self.excused: set[str] = set()  # requests whose remote reuse a correct cache could not have had
         self.seen_events = 0
+        self.distrusted: set[str] = set()  # host entries a load of which broke: a cache may stop trusting them
 
     def attached(self, session) -> None:
         self.decl = declared_retention(session)
@@ -78,7 +83,7 @@ class ExpectedHit(Checker):
         store = session.runner.transport.store
         if not store.entries:
             return 0
-        here, there = INDEXES.get(view, B), StoreIndex(store, B)
+        here, there = INDEXES.get(view, B), StoreIndex(store, B, self.distrusted)
         best, k = 0, 0
         while (k + 1) * B < len(prompt):
             full = prompt[: (k + 1) * B]
@@ -104,16 +109,21 @@ class ExpectedHit(Checker):
                 what = ev.get("what", "")
                 if not what.startswith("decided: ok"):
                     self.excused.add(ev["transfer"].get("request_id"))
+                    self.distrusted.add(ev["transfer"].get("key"))
             elif ev.get("event") == "transfer-done" and not ev.get("ok"):
-                self.excused.add(self._owner(session, ev["id"]))
+                owner = self._owner(session, ev["id"])
+                if owner is not None:
+                    self.excused.add(owner[0])
+                    self.distrusted.add(owner[1])
         self.seen_events = len(events)
 
     @staticmethod
-    def _owner(session, transfer_id: int) -> str | None:
+    def _owner(session, transfer_id: int) -> tuple[str, str] | None:
+        """The request and the host key of a transfer, from the plan that issued it."""
         for ev in reversed(session.history.events):
             for t in ev.get("transfers", ()) if ev.get("event") == "plan" else ():
                 if t["id"] == transfer_id:
-                    return t["request_id"]
+                    return t["request_id"], t["key"]
         return None
 
     # -- phases ---------------------------------------------------------------------------

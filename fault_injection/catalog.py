@@ -6,10 +6,10 @@ is applied, so loading the catalogue needs no engine installed."""
 
 from __future__ import annotations
 
-from fault_injection import reference_mutants, retention_mutants, vllm_mutants
+from fault_injection import reference_mutants, retention_mutants, tier_mutants, vllm_mutants
 from fault_injection.registry import MUTANTS, Mutant
 
-_MODULES = (reference_mutants, retention_mutants, vllm_mutants)  # imported for their registrations
+_MODULES = (reference_mutants, retention_mutants, tier_mutants, vllm_mutants)  # imported for their registrations
 
 
 def all_mutants() -> dict[str, Mutant]:

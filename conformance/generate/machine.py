@@ -354,11 +354,17 @@ class HardHistories(_Base):
     def diverge_inside_a_block(self, which, k, offset, tail, rest, max_new):
         """A prompt that agrees with an earlier sequence up to ``k*B + offset``
         (or up to one token into that sequence's partial tail) and differs at
-        the next token: a divergence at every offset inside a block."""
+        the next token: a divergence at every offset inside a block.  One
+        draw in three submits the sequence cut there instead (a prompt whose
+        hit ends inside a block)."""
         rids = list(self.session.tracks)
         seq = self.session.tracks[rids[which % len(rids)]].tokens
         at = len(seq) // self.B * self.B + 1 if tail and len(seq) % self.B > 1 else k * self.B + offset
         if not 0 < at < len(seq):
+            return
+        if rest[0] % 3 == 0 and at % self.B:
+            # or the cached sequence cut there: a prompt whose hit ends inside a block
+            self._submit_if_fits(seq[:at], max_new)
             return
         other = (seq[at] + 1 + rest[0] % (self.vocab - 1)) % self.vocab  # never the cached token
         self._submit_if_fits(seq[:at] + (other,) + rest[1:], max_new)

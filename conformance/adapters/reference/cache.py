@@ -95,7 +95,7 @@ class ReferenceCache:
                 # request admitted in this very schedule may have evicted
                 # part of this one's local hit.
                 self.tier.plan_loads([req])
-                if self.tier.is_loading(req.request_id):
+                if self._waits_for_loads(req.request_id):
                     continue  # admitted once its loads have completed (or failed)
             if self._admit(req, kv_copies):
                 self.waiting.remove(req)
@@ -212,12 +212,22 @@ class ReferenceCache:
         every token it has (a tie stays local: no transfer for the same reuse)."""
         return remote > local
 
-    def _reserve_local_tail(self, local: int) -> int | None:
+    def _reserve_local_tail(self, prompt: list[int], local: int) -> int | None:
         """A block for the local hit's partial tail, held while the tiers are
-        compared (only an empty one: reserving must not evict the hit)."""
-        if local % self.B == 0 or not self.kv.free or self.kv.content(next(iter(self.kv.free))) is not None:
+        compared.  The hit is held meanwhile, so the reservation cannot evict it."""
+        if local % self.B == 0:
             return None
-        return self.kv.allocate()
+        match = self._match(prompt)
+        for b in match.blocks:
+            self.kv.acquire(b)
+        if match.slot is not None:
+            self.states.acquire(match.slot)
+        block = self.kv.allocate()
+        for b in match.blocks:
+            self.kv.release(b)
+        if match.slot is not None:
+            self.states.release(match.slot)
+        return block
 
     def _release_local_tail(self, block: int | None) -> None:
         if block is not None:
@@ -226,6 +236,10 @@ class ReferenceCache:
     def _remote_won(self, block: int | None) -> None:
         """The remote tier won: the block held for the shorter local tail goes back."""
         self._release_local_tail(block)
+
+    def _waits_for_loads(self, request_id: str) -> bool:
+        """A request whose loads are in flight is admitted once they completed."""
+        return self.tier.is_loading(request_id)
 
     def _tier_match(self, prompt: list[int], match: Match, remote: int) -> Match:
         """After the remote tier's loads landed: the loaded blocks and state

@@ -41,6 +41,8 @@ class HostTier:
         self.tried: set[str] = set()
         self.aborted: set[str] = set()
         self.chosen: dict[str, int] = {}  # request id -> the remote tier's length, when it won
+        self.compared: dict[str, tuple[int, int]] = {}  # request id -> (local, remote) when the remote won
+        self.destinations: dict[str, tuple[list[int], int | None]] = {}  # request id -> its chain's blocks, state slot
         self.next_id = 0
         self.stats = {"offloads": 0, "loads": 0, "load_misses": 0}
         cache.kv.on_evict = self._evict_kv
@@ -57,6 +59,8 @@ class HostTier:
     def admitted(self, request_id: str) -> None:
         """The request took its own references: the tier's hold can go."""
         self.chosen.pop(request_id, None)
+        self.compared.pop(request_id, None)
+        self.destinations.pop(request_id, None)
         for kind, ident in self.held.pop(request_id, []):
             self._release(kind, ident)
 
@@ -105,6 +109,10 @@ class HostTier:
         stays local (no transfer for the same reuse)."""
         prompt = req.tokens[: req.prompt_len]
         local = self.cache._match(prompt).length
+        # A local hit that ends inside a block holds a block for its tail (the
+        # copy it will write) while the tiers are compared: taken first, so
+        # what the comparison sees is what is left after it.
+        tail = self.cache._reserve_local_tail(prompt, local)
         B, parent, chain_ = self.B, ROOT, []
         for i in range(len(prompt) // B):
             block_tokens = tuple(prompt[i * B: (i + 1) * B])
@@ -129,16 +137,14 @@ class HostTier:
                 state = {"key": state_key(prefix), "prefix": prefix}
             else:
                 continue
-            # A local hit that ends inside a block holds a block for its tail
-            # (the copy it will write) while the tiers are compared.
-            tail = self.cache._reserve_local_tail(local)
             if not self.cache._remote_wins(local, p):
-                self.cache._release_local_tail(tail)  # local wins: admission makes its own copy
-                return
+                break
             self.cache._remote_won(tail)
             if self._load(req.request_id, chain_[:k], state):
                 self.chosen[req.request_id] = p
+                self.compared[req.request_id] = (local, p)
             return
+        self.cache._release_local_tail(tail)  # the local tier stays: admission makes its own copy
 
     def remote_length(self, request_id: str) -> int | None:
         """The remote tier's length for a request whose loads all verified
@@ -164,6 +170,9 @@ class HostTier:
                 return False
             dests.append((kind, dest))
         self.tried.add(rid)
+        it = iter(d for _, d in dests)
+        blocks = [b if isinstance(b, int) else next(it) for b in chain_]
+        self.destinations[rid] = (blocks, state if isinstance(state, int) else (next(it) if state else None))
         self.held.setdefault(rid, []).extend(pins)  # released when the request is admitted (or aborted)
         ids = set()
         for (kind, info), (_, dest) in zip(wanted, dests):

@@ -59,7 +59,7 @@ def test_held_loads_wait_for_decisions_and_the_reference_survives_each(tiny):
         s = judged_session(ReferenceCache, CONFIG, tiny, oracle, families=("expected-hit",))
         ops = _displaced(decisions)
         held_at = None
-        for i, op in enumerate(ops):
+        for op in ops:
             s.apply(op)
             if isinstance(op, Step) and held_at is None:
                 held_at = len(s.pending_loads())
@@ -100,7 +100,6 @@ def test_transfer_decisions_replay_exactly_from_a_repro_file(tmp_path, tiny):
 
 
 def test_expected_hit_fails_a_cache_that_reuses_less_than_it_holds(tiny):
-    from fault_injection.catalog import get_mutant
 
     repro = load("fixtures/scenarios/tier-local-longer.json")
     out = replay(repro, model=tiny)

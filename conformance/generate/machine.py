@@ -38,7 +38,18 @@ from conformance.contract import ImplConfig
 from conformance.errors import ConformanceFailure, ImplementationError
 from conformance.generate import strategies
 from conformance.generate.spec import CheckSpec, mixed
-from conformance.harness.ops import OUTCOMES, Abort, Deliver, Drain, HoldTransfers, Op, Step, StoreEvict, Submit, op_to_dict
+from conformance.harness.ops import (
+    OUTCOMES,
+    Abort,
+    Deliver,
+    Drain,
+    HoldTransfers,
+    Op,
+    Step,
+    StoreEvict,
+    Submit,
+    op_to_dict,
+)
 from conformance.harness.oracle import Oracle
 from conformance.harness.session import Session, make_session
 from conformance.judge import standard_checkers
@@ -413,7 +424,8 @@ class Transfers(_Base):
     @configured_rule(precondition=lambda self: self.enabled("transfers") and self.session is not None
                      and not self.session.active() and self.finished,
                      which=lambda c: st.integers(0, 7), junk=_junk,
-                     fates=lambda c: st.lists(st.tuples(st.integers(0, 3), st.sampled_from(("short", "fail", "evict", "ok")),
+                     fates=lambda c: st.lists(st.tuples(st.integers(0, 3),
+                                                        st.sampled_from(("short", "fail", "evict", "ok")),
                                                         st.integers(0, 2)), min_size=2, max_size=4))
     def reload_and_decide(self, which, junk, fates):
         """A finished prompt displaced to the host tier and asked for again;

@@ -156,7 +156,8 @@ class HostTier:
         the device) and ``state`` (a dict, or the device slot holding it).
         What is on the device is pinned first: the destinations allocated
         below must not evict the very entries the load joins."""
-        pins = [("kv", b) for b in chain_ if isinstance(b, int)] + ([("state", state)] if isinstance(state, int) else [])
+        pins = [("kv", b) for b in chain_ if isinstance(b, int)]
+        pins += [("state", state)] if isinstance(state, int) else []
         for kind, ident in pins:
             (self.cache.kv if kind == "kv" else self.cache.states).acquire(ident)
         wanted = [("kv", b) for b in chain_ if isinstance(b, dict)] + ([("state", state)] if isinstance(state, dict)

@@ -63,11 +63,11 @@ OUTCOMES = ("ok", "fail", "short")
 
 @dataclass(frozen=True)
 class Deliver:
-    """Decide one pending load: the ``pick``-th by transfer id (modulo their
-    number) completes with ``outcome`` after ``delay`` more steps.  Loads due
+    """Decide one pending load: the ``pick``-th undecided one by transfer id
+    (modulo their number) completes with ``outcome`` after ``delay`` more steps.  Loads due
     in the same step are reported in the order of their decisions, before the
     undecided ones (so deciding a later load first delivers out of order).
-    Nothing happens when no load is pending."""
+    Nothing happens when no undecided load is pending."""
 
     pick: int = 0
     outcome: str = "ok"

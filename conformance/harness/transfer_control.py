@@ -68,7 +68,7 @@ class TransferControl(TransportHooks):
         self.holding = True
 
     def deliver(self, transport: Transport, pick: int, outcome: str, delay: int) -> None:
-        pending = self.pending(transport)
+        pending = [t for t in self.pending(transport) if t.id not in self.fates]  # each load is decided once
         if not pending:
             return
         t = pending[pick % len(pending)]

@@ -70,7 +70,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("tier-races", "tier",
               "loads completing late, out of order, failed or short, racing local and remote eviction and aborts",
               frozenset({"transfers", "aba", "diverge", "step"}),
-              ("tier_loads", "loads_held", "loads_delayed", "loads_broken", "store_evicted_during_load"),
+              ("tier_loads", "loads_held", "store_evicted_during_load"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True,
               observe=("expected-hit",)),
 )

@@ -54,7 +54,7 @@ def test_old_repro_files_still_load():
 
 def test_held_loads_wait_for_decisions_and_the_reference_survives_each(tiny):
     oracle = Oracle(tiny)
-    for decisions in ([], [Deliver(0, "ok", 2)], [Deliver(0, "fail")], [Deliver(1, "short"), Deliver(0, "ok")],
+    for decisions in ([Deliver(0, "ok", 2)], [Deliver(0, "fail")], [Deliver(1, "short"), Deliver(0, "ok")],
                       [StoreEvict(0)]):
         s = judged_session(ReferenceCache, CONFIG, tiny, oracle, families=("expected-hit",))
         ops = _displaced(decisions)

@@ -6,10 +6,18 @@ is applied, so loading the catalogue needs no engine installed."""
 
 from __future__ import annotations
 
-from fault_injection import reference_mutants, retention_mutants, tier_mutants, vllm_mutants
+from fault_injection import (
+    disagg_mutants,
+    reference_mutants,
+    retention_mutants,
+    sglang_mutants,
+    tier_mutants,
+    vllm_mutants,
+)
 from fault_injection.registry import MUTANTS, Mutant
 
-_MODULES = (reference_mutants, retention_mutants, tier_mutants, vllm_mutants)  # imported for their registrations
+# imported for their registrations (disagg_mutants: target "reference-disagg", the disagg family's)
+_MODULES = (reference_mutants, retention_mutants, disagg_mutants, tier_mutants, vllm_mutants, sglang_mutants)
 
 
 def all_mutants() -> dict[str, Mutant]:

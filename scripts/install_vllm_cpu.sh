@@ -62,6 +62,9 @@ EOF
 "${PIP[@]}" install -q "llguidance>=1.7.0,<1.8.0" loguru transformers hypothesis pytest "torch==${TORCH_VERSION}"
 "${PIP[@]}" install -q --no-deps "compressed-tensors==0.17.0"
 
+# 4b. NIXL for the P/D family (vLLM's NixlConnector between two engines), without its CUDA torch.
+bash "$REPO/scripts/install_nixl.sh" "$VENV"
+
 # 5. this repo, editable.  Without packaging metadata, a .pth file does the same.
 if [ -f "$REPO/pyproject.toml" ] || [ -f "$REPO/setup.py" ]; then
     "${PIP[@]}" install -q --no-deps -e "$REPO"
@@ -71,6 +74,6 @@ else
 fi
 
 # 6. smoke: the engine imports, and says which version it is.
-VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c 'import torch, vllm, transformers; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__)'
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" -c 'import torch, vllm, transformers, nixl; print("torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "nixl ok")'
 end=$(date +%s)
 echo "installed into $VENV in $((end - start)) s, size $(du -sh "$VENV" | cut -f1)"

@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("conformance.errors",),
     ("conformance.contract",),
-    ("conformance.model", "conformance.adapters"),
+    ("conformance.model",),
+    ("conformance.disagg",),  # the two-worker contract: layouts, geometry, descriptors
+    ("conformance.adapters",),
     ("conformance.harness",),
     ("conformance.judge",),
     ("conformance.generate",),

@@ -4,7 +4,7 @@ give logits equal to the no-cache reference and a consistent cache view, and
 each vLLM mutant must be caught by a generic sequence.
 
 Runs only where vLLM is installed (``pip install -e .[vllm]``, or the
-``/work/venvs/vllm`` virtualenv described in docs/vllm-adapter.md).
+``.venvs/main`` virtualenv that scripts/test.sh makes, see docs/vllm-adapter.md).
 """
 
 from __future__ import annotations

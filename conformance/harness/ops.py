@@ -41,6 +41,20 @@ class Abort:
     request_id: str
 
 
+@dataclass(frozen=True)
+class Probe:
+    """The pool probe (a black-box lifetime check, see
+    :meth:`conformance.harness.session.Session.probe`): finish what is
+    active, then at idle submit ``concurrent`` short requests together (a
+    fresh instance schedules ``expect`` of them in its first step) and then
+    one ``kv_tokens``-token request (a fresh instance serves it).  Its prompts
+    are fixed by these numbers (:func:`conformance.harness.probe.probe_prompts`)."""
+
+    kv_tokens: int
+    concurrent: int = 0
+    expect: int = 0
+
+
 # -- transfers under the generator's control -------------------------------------------
 # The wire of the host tier (harness/transfer_control.py) is deterministic by
 # default: every transfer completes in the step that issued it.  These three
@@ -83,9 +97,13 @@ class StoreEvict:
     pick: int = 0
 
 
-Op = Submit | Step | Drain | Abort | HoldTransfers | Deliver | StoreEvict
-OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort,
+Op = Submit | Step | Drain | Abort | Probe | HoldTransfers | Deliver | StoreEvict
+OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort, "probe": Probe,
                              "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict}
+# The disaggregated family's operations (applied to a DisaggSession, not a Session).
+from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
+
+OP_TYPES.update(_DISAGG_OPS)
 _NAMES = {cls: name for name, cls in OP_TYPES.items()}
 
 
@@ -125,6 +143,9 @@ def op_from_dict(d: dict) -> Op:
             raise ValueError(f"{name}.{key}: must be an integer >= 0")
     if "outcome" in kwargs and kwargs["outcome"] not in OUTCOMES:
         raise ValueError(f"{name}.outcome: must be one of {', '.join(OUTCOMES)}")
+    for key in ("kv_tokens", "concurrent", "expect"):
+        if key in kwargs and (not isinstance(kwargs[key], int) or kwargs[key] < 0):
+            raise ValueError(f"{name}.{key}: must be a non-negative integer")
     for key in ("request_id",):
         if key in kwargs and not isinstance(kwargs[key], str):
             raise ValueError(f"{name}.{key}: must be a string")

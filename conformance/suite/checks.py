@@ -20,7 +20,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               frozenset({"step", "continue"}), ("chunked_prefills", "mid_block_chunk_ends", "prefix_hits")),
     CheckSpec("eviction-pressure", "eviction",
               "a small pool: distinct long prompts force cached blocks and snapshots out while others reuse",
-              frozenset({"pressure", "continue", "step"}), ("evictions", "prefix_hits"),
+              frozenset({"pressure", "continue", "step"}), ("evictions", "hits_after_eviction"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2),
     CheckSpec("snapshot-reuse", "snapshot",
               "recurrent snapshots reused across requests, with aborts and decode in between",
@@ -29,7 +29,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     # evicts comes back through loads (faults and tier mutants meet it here).
     CheckSpec("tier-reuse", "tier",
               "a small device pool spills to the second tier; later requests load back what was evicted",
-              frozenset({"pressure", "continue", "step"}), ("tier_loads", "prefix_hits"),
+              frozenset({"pressure", "continue", "step"}), ("tier_loads", "tier_hits"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True),
     # The declared retention policy (default here: interval 8 and second-hit
     # together; --option overrides).  Reusing less than promised is a
@@ -42,6 +42,13 @@ CHECKS: tuple[CheckSpec, ...] = (
               "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
               frozenset({"continue", "step"}), ("checkpoints_offered", "state_lookups", "prefix_hits"),
               options={"interval": 8}, observe=("hit-rate",)),
+    # Prefill on one worker, decode on another, heterogeneous layouts, a real
+    # transfer between them (NIXL when it imports); see conformance/suite/disagg.py.
+    CheckSpec("disagg-transfer", "disagg",
+              "prefill/decode disaggregation: prompts ending on, beside and inside blocks, both layout pairings, "
+              "prefix hits before transfer, decode continuing while other transfers are in flight",
+              frozenset(), ("pairing_2to1", "pairing_1to2", "mid_block_prompt_ends", "state_shards_transferred",
+                            "transfers_verified", "prefill_hits", "in_flight_reuse"), disagg=True),
     # Appended after the original checks: a check's seed comes from its index
     # in the profile, so the ones above keep their draws (a regression baseline).
     # The hard histories of issue 14, each group with the coverage it must reach.

@@ -120,6 +120,12 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     if model is None or model.config != repro.model:
         model = TinyHybrid(repro.model)
     outcome = ReplayOutcome(False, impl, mutant, faults, notes=notes)
+    from conformance.harness.disagg.ops import is_disagg
+
+    if any(is_disagg(op) for op in repro.steps):  # the disagg family's operations: two workers
+        from conformance.suite.disagg import replay_disagg
+
+        return replay_disagg(repro, factory, model, outcome)
     session = None
     try:
         # The check's own retention checkers judge too (a retention or hit-rate

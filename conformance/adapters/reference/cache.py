@@ -64,6 +64,14 @@ class ReferenceCache:
     name = "reference"
     version = "1.0"
     tier_option = ("host_tier", True)  # how the harness turns the second tier on (faults, tier mutants)
+    # The disaggregated mode the "disagg" family runs (prefill and decode workers; a class
+    # attribute, so the single-worker contract is untouched).
+    from conformance.adapters.reference.disagg import ReferenceDisagg as disagg_factory  # noqa: E402
+
+    @classmethod
+    def validate_options(cls, config: ImplConfig) -> None:
+        """Raises ValueError for options this cache rejects (the harness makes that a usage error)."""
+        RetentionPolicy.from_options(config.options, config.block_size)
 
     def __init__(self, config: ImplConfig | None = None):
         config = config or ImplConfig()

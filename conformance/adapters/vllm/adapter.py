@@ -37,6 +37,11 @@ class VllmCache:
     version = vllm.__version__
     tier_option = ("connector", True)  # the store connector, asynchronous loads (see .connector)
 
+    @classmethod
+    def validate_options(cls, config: ImplConfig) -> None:
+        """Raises ValueError for options this adapter rejects (the harness makes that a usage error)."""
+        VllmOptions.from_config(config)
+
     def __init__(self, config: ImplConfig | None = None):
         config = config or ImplConfig()
         self.config = config

@@ -1,0 +1,60 @@
+"""The exported state machine: it takes the implementation in its
+constructor, runs under Hypothesis's own runner, and its verdicts come from
+the session's checkers (a crashing checker is a harness error, never a pass)."""
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from conformance.adapters.reference import ReferenceCache
+from conformance.errors import ConformanceFailure, HarnessError
+from conformance.generate.machine import HybridCacheMachine, Recorder
+from conformance.harness.checker import Checker
+from conformance.suite.checks import get_check
+from fault_injection.catalog import get_mutant
+
+FAST = settings(max_examples=8, stateful_step_count=8, deadline=None, suppress_health_check=list(HealthCheck),
+                database=None)
+
+
+def test_the_machine_takes_the_implementation(model, oracle):
+    recorder = Recorder()
+    spec = get_check("mid-block-hits")
+    run_state_machine_as_test(lambda: HybridCacheMachine(ReferenceCache, spec, model=model, oracle=oracle,
+                                                         recorder=recorder), settings=FAST)
+    assert recorder.examples >= 8 and recorder.coverage["requests"] > 0
+
+
+def test_one_bound_class_per_configuration(model):
+    spec = get_check("mid-block-hits")
+    a = HybridCacheMachine(ReferenceCache, spec, model=model)
+    b = HybridCacheMachine(ReferenceCache, spec, model=model)
+    c = HybridCacheMachine(ReferenceCache, get_check("eviction-pressure"), model=model)
+    assert type(a) is type(b) and type(a) is not type(c) and isinstance(a, HybridCacheMachine)
+    assert type(a).conf.B == spec.block_size
+
+
+def test_a_mutant_fails_through_the_machine(model, oracle):
+    buggy = get_mutant("hit-off-by-one").wrap(ReferenceCache)
+    with pytest.raises(ConformanceFailure):
+        run_state_machine_as_test(lambda: HybridCacheMachine(buggy, get_check("mid-block-hits"), model=model,
+                                                             oracle=oracle),
+                                  settings=settings(FAST, max_examples=60, phases=[p for p in FAST.phases
+                                                                                   if p.name != "shrink"]))
+
+
+class Crashing(Checker):
+    name = "crashing"
+
+    def computed(self, session, executed):
+        raise ZeroDivisionError("a checker bug")
+
+
+def test_a_crashing_checker_is_a_harness_error(model, oracle):
+    def attach(session):
+        session.add_checker(Crashing())
+
+    with pytest.raises(HarnessError, match="checker 'crashing' crashed in computed"):
+        run_state_machine_as_test(lambda: HybridCacheMachine(ReferenceCache, get_check("mid-block-hits"),
+                                                             model=model, oracle=oracle, attach=attach),
+                                  settings=settings(FAST, phases=[p for p in FAST.phases if p.name != "shrink"]))

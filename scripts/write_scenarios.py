@@ -49,7 +49,7 @@ def hold():
 
 
 def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_config=None, impl="reference",
-             expect=None, check=None):
+             expect=None, check=None, kind=None):
     SCENARIOS[name] = {
         "schema": "hybrid-cache-conformance/repro",
         "schema_version": 2,
@@ -65,6 +65,7 @@ def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_
         "impl_config": {"block_size": B, "num_kv_blocks": 64, "num_state_slots": 24, "options": {},
                         **(impl_config or {})},
         "model": {},
+        **({"failure": {"kind": kind}} if kind else {}),
         **({"check": check} if check else {}),
         **({"expect": expect} if expect else {}),
         "steps": steps,
@@ -247,7 +248,8 @@ scenario(
     "failure (the logits stay right).",
     [sub("a", LONG), drain(), sub("b", LONG[:7]), drain(), sub("j", JUNK), drain(),
      sub("c", LONG[:7] + [50, 51, 52]), drain()],
-    impl_config=tier_config(8, 5), check="tier-races", expect={"request": "c", "winner": "local", "reuse": 7})
+    impl_config=tier_config(8, 5), check="tier-races", expect={"request": "c", "winner": "local", "reuse": 7},
+    kind="hit-rate")
 
 scenario(
     "tier-remote-longer", "tier-groups-unreconciled", "GROUPS",
@@ -258,7 +260,8 @@ scenario(
     "with 8 and both groups are reconciled to 8. The mutant moves the attention group to 8 but keeps the "
     "recurrent group where the local hit was (a fresh state): wrong logits.",
     [sub("a", LONG), drain(), sub("j", JUNK), drain(), sub("c", LONG[:8] + [50, 51]), drain()],
-    impl_config=tier_config(8, 3), check="tier-races", expect={"request": "c", "winner": "remote", "reuse": 8})
+    impl_config=tier_config(8, 3), check="tier-races", expect={"request": "c", "winner": "remote", "reuse": 8},
+    kind="logits")
 
 scenario(
     "tier-tie-stays-local", "", "TIER",
@@ -279,7 +282,8 @@ scenario(
     "and the block held for the local tail must go back: the mutant leaks it.",
     [sub("a", LONG), drain(), sub("b", LONG[:7]), drain(), sub("j", JUNK), drain(),
      sub("c", LONG[:8] + [50, 51]), drain()],
-    impl_config=tier_config(8, 5), check="tier-races", expect={"request": "c", "winner": "remote", "reuse": 8})
+    impl_config=tier_config(8, 5), check="tier-races", expect={"request": "c", "winner": "remote", "reuse": 8},
+    kind="invariant")
 
 
 def main(names: list[str]) -> None:

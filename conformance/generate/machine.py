@@ -424,14 +424,18 @@ class HardHistories(_Base):
         self._submit_if_fits(seq[:at] + (other,) + rest[1:], max_new)
 
     @configured_rule(precondition=lambda self: self.enabled("live-abort") and self.busy(),
-                     which=lambda c: st.integers(0, 7), decode=lambda c: st.booleans(),
+                     which=lambda c: st.integers(0, 7), decode=lambda c: st.sampled_from((False, True, False)),
                      budget=lambda c: st.sampled_from(sorted({1, 2, c.B - 1, c.B + 1} - {0})))
     def abort_running(self, which, decode, budget):
         """Abort a request that has run: mid-decode, or mid-prefill (after its
         hit, which the step budget cuts short).  Steps first until it is there."""
-        active = self.session.active()
+        tracks = self.session.tracks
+        active = [r for r in self.session.active()
+                  if decode or tracks[r].computed is None or tracks[r].computed < tracks[r].prompt_len]
+        if not active:
+            return
         rid = active[which % len(active)]
-        for _ in range(8):
+        for _ in range(8 if decode else 24):  # small budgets go to the requests ahead of it first
             t = self.session.tracks[rid]
             if t.done:
                 return
@@ -442,7 +446,8 @@ class HardHistories(_Base):
                 return
             if not decode and t.computed is not None:
                 return  # its prefill is over
-            self.apply(Step(1024 if decode else budget))
+            # ahead of it, each running request takes at most a block's chunk
+            self.apply(Step(1024 if decode else self.B * (len(self.session.active()) - 1) + budget))
 
     @property
     def vocab(self) -> int:

@@ -11,13 +11,15 @@ from fault_injection import (
     reference_mutants,
     retention_mutants,
     sglang_mutants,
+    tier_mutants,
     vllm_mutants,
     vllm_pd_mutants,
 )
 from fault_injection.registry import MUTANTS, Mutant
 
 # imported for their registrations (disagg_mutants: target "reference-disagg", the disagg family's)
-_MODULES = (reference_mutants, retention_mutants, disagg_mutants, vllm_mutants, vllm_pd_mutants, sglang_mutants)
+_MODULES = (reference_mutants, retention_mutants, disagg_mutants, tier_mutants, vllm_mutants, vllm_pd_mutants,
+            sglang_mutants)
 
 
 def all_mutants() -> dict[str, Mutant]:

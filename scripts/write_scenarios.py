@@ -44,7 +44,12 @@ U1, U2, U3 = [21, 22, 23], [31, 32, 33, 34, 35], [41, 42]
 SCENARIOS: dict[str, dict] = {}
 
 
-def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_config=None, impl="reference"):
+def hold():
+    return {"op": "hold-transfers"}
+
+
+def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_config=None, impl="reference",
+             expect=None, check=None, kind=None):
     SCENARIOS[name] = {
         "schema": "hybrid-cache-conformance/repro",
         "schema_version": 2,
@@ -54,12 +59,15 @@ def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_
         "description": description,
         "impl": impl,
         "implementation": impl,
-        "mutant": mutant,
+        "mutant": mutant or None,
         "faults": [],
         "seed": 0,
         "impl_config": {"block_size": B, "num_kv_blocks": 64, "num_state_slots": 24, "options": {},
                         **(impl_config or {})},
         "model": {},
+        **({"failure": {"kind": kind}} if kind else {}),
+        **({"check": check} if check else {}),
+        **({"expect": expect} if expect else {}),
         "steps": steps,
     }
 
@@ -213,6 +221,69 @@ scenario(
     "partial blocks and the load writes the state at 4 into the block the cache registers as the state at 3.",
     [sub("first", SYS[:4], 3), drain(), sub("second", SYS[:4] + U2 + U1), drain()],
     impl_config={"options": {"connector": True, "prefix_match_unit": 1}}, impl="vllm")
+
+
+# -- the design note's four tier reconciliation cases (issue 14) ------------------------
+# A: the long prompt (its blocks and states go to the host tier when the junk
+# displaces them); B: its first 7 tokens (a local state and a partial block
+# that end inside block 1); J: the junk; C: the request the tiers compete
+# for.  "expect": the request, the tier that must win and the tokens it
+# reuses (tests/test_reconciliation.py); "check": tier-races, whose
+# expected-hit oracle judges the replay.
+LONG = list(range(11, 21))  # 10 tokens: blocks [0,4), [4,8) and a tail
+JUNK = list(range(40, 45))
+
+
+def tier_config(kv, slots):
+    return {"num_kv_blocks": kv, "num_state_slots": slots, "options": {"host_tier": True}}
+
+
+scenario(
+    "tier-local-longer", "tier-block-granular", "TIER",
+    "tiers compared in tokens: the local hit (7 tokens, inside a block) is longer than the remote (4)",
+    ["design note: multi-tier partial-hit reconciliation"],
+    "C's local hit ends inside block 1 (7 tokens: B's partial block and its prompt-end state); the host tier "
+    "holds only the state at 4. The local tier wins with all 7 tokens. Compared in whole blocks (the mutant), "
+    "the local hit rounds down to 4, the remote's 4 ties it and wins, and C reuses 4 tokens: a hit-rate "
+    "failure (the logits stay right).",
+    [sub("a", LONG), drain(), sub("b", LONG[:7]), drain(), sub("j", JUNK), drain(),
+     sub("c", LONG[:7] + [50, 51, 52]), drain()],
+    impl_config=tier_config(8, 5), check="tier-races", expect={"request": "c", "winner": "local", "reuse": 7},
+    kind="hit-rate")
+
+scenario(
+    "tier-remote-longer", "tier-groups-unreconciled", "GROUPS",
+    "tiers compared in tokens: the remote prefix (8) is longer than the local hit (0); every group follows it",
+    ["design note: multi-tier partial-hit reconciliation", "vllm#46384"],
+    "The junk displaces A's states (at 4 and 8) and its second block to the host tier; C's local hit is "
+    "nothing (the first block's KV is still on the device, but no state goes with it). The remote tier wins "
+    "with 8 and both groups are reconciled to 8. The mutant moves the attention group to 8 but keeps the "
+    "recurrent group where the local hit was (a fresh state): wrong logits.",
+    [sub("a", LONG), drain(), sub("j", JUNK), drain(), sub("c", LONG[:8] + [50, 51]), drain()],
+    impl_config=tier_config(8, 3), check="tier-races", expect={"request": "c", "winner": "remote", "reuse": 8},
+    kind="logits")
+
+scenario(
+    "tier-tie-stays-local", "", "TIER",
+    "tiers compared in tokens: a tie (8 and 8) stays local, with no transfer",
+    ["design note: multi-tier partial-hit reconciliation"],
+    "C's local hit and the host tier's prefix are both 8 tokens: the same reuse either way, so the local tier "
+    "wins and nothing is loaded.",
+    [sub("a", LONG), drain(), sub("b", LONG[:7]), drain(), sub("j", JUNK), drain(),
+     sub("c", LONG[:8] + [50, 51]), drain()],
+    impl_config=tier_config(6, 6), check="tier-races", expect={"request": "c", "winner": "local", "reuse": 8})
+
+scenario(
+    "tier-local-mid-block-vs-remote-boundary", "tier-tail-not-released", "TIER",
+    "tiers compared in tokens: a local hit ending inside a block (7) against a remote block boundary (8)",
+    ["design note: multi-tier partial-hit reconciliation", "vllm#49502"],
+    "C's local hit ends inside block 1 (7 tokens) and holds a block for its partial tail while the tiers are "
+    "compared; the host tier holds A's block [4, 8) and the state at 8. The remote tier wins with 8 tokens, "
+    "and the block held for the local tail must go back: the mutant leaks it.",
+    [sub("a", LONG), drain(), sub("b", LONG[:7]), drain(), sub("j", JUNK), drain(),
+     sub("c", LONG[:8] + [50, 51]), drain()],
+    impl_config=tier_config(8, 5), check="tier-races", expect={"request": "c", "winner": "remote", "reuse": 8},
+    kind="invariant")
 
 
 def main(names: list[str]) -> None:

@@ -40,7 +40,18 @@ from conformance.errors import ConformanceFailure, ImplementationError
 from conformance.generate import strategies
 from conformance.generate.probe import pool_probe
 from conformance.generate.spec import CheckSpec, mixed
-from conformance.harness.ops import Abort, Drain, Op, Step, Submit, op_to_dict
+from conformance.harness.ops import (
+    OUTCOMES,
+    Abort,
+    Deliver,
+    Drain,
+    HoldTransfers,
+    Op,
+    Step,
+    StoreEvict,
+    Submit,
+    op_to_dict,
+)
 from conformance.harness.oracle import Oracle
 from conformance.harness.session import Session, make_session
 from conformance.judge import standard_checkers
@@ -124,14 +135,16 @@ class _Base(RuleBasedStateMachine):
         key = (cls, repr(conf))  # a CheckSpec holds a dict: not hashable, but its repr is exact
         if key not in _Base._bound:
             attrs: dict = {"conf": conf}
-            for klass in reversed(cls.__mro__):
+            mixins = tuple(m for m, names in OPTIONAL_GROUPS if names & conf.spec.rules and not issubclass(cls, m))
+            composite = type(cls.__name__, (cls, *mixins), {}) if mixins else cls
+            for klass in reversed(composite.__mro__):
                 for name, fn in vars(klass).items():
                     if hasattr(fn, "_configured"):
                         pre, first, arguments = fn._configured
                         decorate = initialize if first else rule
                         bound = decorate(**{k: make(conf) for k, make in arguments.items()})(fn)
                         attrs[name] = precondition(pre)(bound) if pre is not None else bound
-            sub = type(f"{cls.__name__}[{conf.spec.id}]", (cls,), attrs)
+            sub = type(f"{cls.__name__}[{conf.spec.id}]", (composite,), attrs)
             _Base._bound[key] = sub
         return _Base._bound[key]
 
@@ -170,6 +183,8 @@ class _Base(RuleBasedStateMachine):
                                     standard_checkers(self.spec.observe), timeout=self.timeout)
         if self.attach is not None:
             self.attach(self.session)
+        if self.enabled("transfers"):  # the wire's timing becomes the generator's (Transfers below)
+            self.apply(HoldTransfers())
 
     def apply(self, op: Op) -> None:
         note(repr(op))
@@ -331,6 +346,200 @@ class Pressure(_Base):
             if self.fits(len(again), 1):
                 self.apply(Submit(self.new_id(), again, 1))
                 self.apply(Drain(1024))
+
+
+_DIVERGING = dict(which=lambda c: st.integers(0, 7), k=lambda c: st.integers(0, c.spec.max_prompt_blocks),
+                  offset=lambda c: st.integers(0, c.B - 1), tail=lambda c: st.booleans(),
+                  rest=lambda c: strategies.tokens(c.vocab, c.B),
+                  max_new=lambda c: st.integers(1, c.spec.max_new_tokens))
+
+
+class HardHistories(_Base):
+    """The histories a uniform draw almost never reaches (issue 14): pressure
+    while requests are mid-prefill and mid-decode, several cold prefills of
+    one prefix in one step, a prefix cached, displaced and requested again,
+    prompts that diverge from a cached one at every offset inside a block,
+    and aborts of requests that are running.  Each group has its own name in
+    ``CheckSpec.rules``; their coverage is counted by
+    :class:`conformance.judge.hard_coverage.HardHistoryCoverage`."""
+
+    @configured_rule(precondition=lambda self: self.enabled("live-pressure") and self.busy(),
+                     prompt=lambda c: strategies.tokens(c.vocab, max(2 * c.B, min(c.max_len, c.num_kv_blocks // 2
+                                                                                   * c.B) - 1)),
+                     cut=lambda c: st.integers(2, 4), budget=lambda c: strategies.budgets(c.B))
+    def pressure_while_running(self, prompt, cut, budget):
+        """A long distinct prompt arrives while others run, and a step runs at
+        once: its allocations evict while the others are mid-prefill or
+        mid-decode (and, with a request waiting on a hit, between its match
+        and its use)."""
+        prompt = prompt[: max(2 * self.B, len(prompt) * cut // 4)]
+        if self.fits(len(prompt), 1):
+            self.apply(Submit(self.new_id(), prompt, 1))
+        self.apply(Step(budget))
+
+    @configured_rule(precondition=lambda self: self.enabled("burst") and self.session is not None,
+                     base=lambda c: st.integers(0, 2),
+                     cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
+                     copies=lambda c: st.integers(2, 3), suffix=lambda c: strategies.tokens(c.vocab, c.B + 1),
+                     ends=lambda c: st.lists(st.integers(0, c.B + 1), min_size=3, max_size=3))
+    def same_prefix_burst(self, base, cut, copies, suffix, ends):
+        """Several requests with one cold prefix, scheduled in one step: each
+        reaches the same checkpoints at the same time."""
+        prefix = self.bases[base][:cut] + suffix
+        for n in ends[:copies]:
+            self._submit_if_fits(prefix + suffix[:n], 1)
+        self.apply(Step(1024))
+
+    @configured_rule(precondition=lambda self: self.enabled("aba") and self.session is not None
+                     and not self.session.active() and self.finished,
+                     which=lambda c: st.integers(0, 7), junk=_junk)
+    def displaced_and_requested_again(self, which, junk):
+        """A -> B -> A: a finished prompt, displaced by distinct prompts, asked for again."""
+        prev = self.session.tracks[self.finished[which % len(self.finished)]]
+        for prompt in junk:
+            self.apply(Submit(self.new_id(), prompt, 1))
+            self.apply(Drain(1024))
+        self._submit_if_fits(prev.tokens[: prev.prompt_len], 1)
+        if self.enabled("transfers"):
+            self.apply(Step(1))  # the tier issues its loads: they are pending for the rules of Transfers
+
+    @configured_rule(precondition=lambda self: self.enabled("diverge") and self.session is not None
+                     and self.session.tracks, **_DIVERGING)
+    def diverge_inside_a_block(self, which, k, offset, tail, rest, max_new):
+        """A prompt that agrees with an earlier sequence up to ``k*B + offset``
+        (or up to one token into that sequence's partial tail) and differs at
+        the next token: a divergence at every offset inside a block.  One
+        draw in three submits the sequence cut there instead (a prompt whose
+        hit ends inside a block)."""
+        rids = list(self.session.tracks)
+        seq = self.session.tracks[rids[which % len(rids)]].tokens
+        at = len(seq) // self.B * self.B + 1 if tail and len(seq) % self.B > 1 else k * self.B + offset
+        if not 0 < at < len(seq):
+            return
+        if rest[0] % 3 == 0 and at % self.B:
+            # or the cached sequence cut there: a prompt whose hit ends inside a block
+            self._submit_if_fits(seq[:at], max_new)
+            return
+        other = (seq[at] + 1 + rest[0] % (self.vocab - 1)) % self.vocab  # never the cached token
+        self._submit_if_fits(seq[:at] + (other,) + rest[1:], max_new)
+
+    @configured_rule(precondition=lambda self: self.enabled("live-abort") and self.busy(),
+                     which=lambda c: st.integers(0, 7), decode=lambda c: st.sampled_from((False, True, False)),
+                     budget=lambda c: st.sampled_from(sorted({1, 2, c.B - 1, c.B + 1} - {0})))
+    def abort_running(self, which, decode, budget):
+        """Abort a request that has run: mid-decode, or mid-prefill (after its
+        hit, which the step budget cuts short).  Steps first until it is there."""
+        tracks = self.session.tracks
+        active = [r for r in self.session.active()
+                  if decode or tracks[r].computed is None or tracks[r].computed < tracks[r].prompt_len]
+        if not active:
+            return
+        rid = active[which % len(active)]
+        for _ in range(8 if decode else 24):  # small budgets go to the requests ahead of it first
+            t = self.session.tracks[rid]
+            if t.done:
+                return
+            there = (t.computed is not None and t.computed >= t.prompt_len if decode
+                     else t.computed is not None and t.computed < t.prompt_len)
+            if there:
+                self.apply(Abort(rid))
+                return
+            if not decode and t.computed is not None:
+                return  # its prefill is over
+            # ahead of it, each running request takes at most a block's chunk
+            self.apply(Step(1024 if decode else self.B * (len(self.session.active()) - 1) + budget))
+
+    @property
+    def vocab(self) -> int:
+        return self.model.config.vocab_size
+
+    def _submit_if_fits(self, prompt, max_new) -> None:
+        if self.fits(len(prompt), max_new):
+            self.apply(Submit(self.new_id(), tuple(prompt), max_new))
+
+
+class Transfers(_Base):
+    """The host tier's wire under the generator's control (rule name
+    ``transfers``; the check must run with the tier on).  Loads stay pending
+    after the step that issued them; while they are pending the generator
+    decides their completion (now, later, failed, short, out of order), evicts
+    the host entry they are about to read, claims the same prefix with a second
+    request, evicts locally, or aborts the request that waits."""
+
+    def _loading(self) -> bool:
+        return self.enabled("transfers") and self.session is not None and bool(self.session.pending_loads())
+
+    @configured_rule(precondition=lambda self: self.enabled("transfers") and self.session is not None
+                     and not self.session.active() and self.finished,
+                     which=lambda c: st.integers(0, 7), junk=_junk,
+                     fates=lambda c: st.lists(st.tuples(st.integers(0, 3),
+                                                        st.sampled_from(("short", "fail", "evict", "ok")),
+                                                        st.integers(0, 2)), min_size=2, max_size=4))
+    def reload_and_decide(self, which, junk, fates):
+        """A finished prompt displaced to the host tier and asked for again;
+        its loads are decided at once (outcome, delay, order; or the host
+        entry evicted after the lookup)."""
+        # the longer prompts first: only what spans a block can come back from the tier
+        longest = sorted(self.finished, key=lambda r: -self.session.tracks[r].prompt_len)
+        prev = self.session.tracks[longest[which % min(2, len(longest))]]
+        for prompt in junk:
+            self.apply(Submit(self.new_id(), prompt, 1))
+            self.apply(Drain(1024))
+        if self.fits(prev.prompt_len, 1):
+            self.apply(Submit(self.new_id(), prev.tokens[: prev.prompt_len], 1))
+            self.apply(Step(1))
+        decided = False
+        for pick, outcome, delay in fates:
+            if self.session.pending_loads():
+                self.apply(StoreEvict(pick) if outcome == "evict" else Deliver(pick, outcome, delay))
+                decided = True
+        if decided:
+            self.apply(Step(1))  # what was decided for now happens (the delayed stay pending)
+
+    @configured_rule(precondition=lambda self: self._loading(), pick=lambda c: st.integers(0, 3),
+                     outcome=lambda c: st.sampled_from(OUTCOMES), delay=lambda c: st.integers(0, 2))
+    def deliver(self, pick, outcome, delay):
+        self.apply(Deliver(pick, outcome, delay))
+
+    @configured_rule(precondition=lambda self: self._loading(), pick=lambda c: st.integers(0, 3))
+    def store_evict(self, pick):
+        self.apply(StoreEvict(pick))
+
+    @configured_rule(precondition=lambda self: self._loading(), pick=lambda c: st.integers(0, 3),
+                     suffix=lambda c: strategies.tokens(c.vocab, 2), extra=lambda c: st.integers(0, 2))
+    def claim_while_loading(self, pick, suffix, extra):
+        """A second request for the prefix a load is bringing in."""
+        loads = self.session.pending_loads()
+        rid = loads[pick % len(loads)].request_id
+        track = self.session.tracks.get(rid) if rid is not None else None
+        if track is not None and self.fits(track.prompt_len + extra, 1):
+            self.apply(Submit(self.new_id(), track.tokens[: track.prompt_len] + suffix[:extra], 1))
+
+    @configured_rule(precondition=lambda self: self._loading(), pick=lambda c: st.integers(0, 3))
+    def abort_loading(self, pick):
+        loads = self.session.pending_loads()
+        rid = loads[pick % len(loads)].request_id
+        if rid in self.session.active():
+            self.apply(Abort(rid))
+
+    @configured_rule(precondition=lambda self: self._loading(),
+                     prompt=lambda c: strategies.tokens(c.vocab, max(2 * c.B, c.num_kv_blocks // 3 * c.B - 1)))
+    def evict_while_loading(self, prompt):
+        """Local eviction while a load is in flight: a distinct prompt's
+        allocations meet the blocks the load targets or the entries it joins."""
+        prompt = prompt[: self.max_len - 1]
+        if self.fits(len(prompt), 1):
+            self.apply(Submit(self.new_id(), prompt, 1))
+        self.apply(Step(1024))
+
+
+#: Rule groups a check adds by name, beyond the base machine's.  Hypothesis
+#: picks rules by their index among the class's rules, so a check that enables
+#: none of them runs the base machine's rules only (its draws stay as they were).
+OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
+    (HardHistories, frozenset({"live-pressure", "burst", "aba", "diverge", "live-abort"})),
+    (Transfers, frozenset({"transfers"})),
+)
 
 
 class HybridCacheMachine(Prompts, Steps, Aborts, Pressure):

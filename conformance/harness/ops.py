@@ -55,8 +55,51 @@ class Probe:
     expect: int = 0
 
 
-Op = Submit | Step | Drain | Abort | Probe
-OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort, "probe": Probe}
+# -- transfers under the generator's control -------------------------------------------
+# The wire of the host tier (harness/transfer_control.py) is deterministic by
+# default: every transfer completes in the step that issued it.  These three
+# operations put its timing and outcomes in the history, so a race between a
+# load and the rest of the schedule shrinks and replays like any other step.
+
+
+@dataclass(frozen=True)
+class HoldTransfers:
+    """From now on every load stays pending after the step that issued it: it
+    lands (and its completion is reported) at the start of the next step,
+    unless a :class:`Deliver` decided otherwise."""
+
+
+#: How a decided load completes: whole, failed (nothing usable arrives, the
+#: completion says so), or short (half of a block's positions, or the conv
+#: state without the matrix state, reported as a success).
+OUTCOMES = ("ok", "fail", "short")
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Decide one pending load: the ``pick``-th undecided one by transfer id
+    (modulo their number) completes with ``outcome`` after ``delay`` more steps.  Loads due
+    in the same step are reported in the order of their decisions, before the
+    undecided ones (so deciding a later load first delivers out of order).
+    Nothing happens when no undecided load is pending."""
+
+    pick: int = 0
+    outcome: str = "ok"
+    delay: int = 0
+
+
+@dataclass(frozen=True)
+class StoreEvict:
+    """The host store drops the entry that the ``pick``-th pending load (by
+    transfer id, modulo their number) is about to read: an eviction after the
+    store answered the lookup.  Nothing happens when no load is pending."""
+
+    pick: int = 0
+
+
+Op = Submit | Step | Drain | Abort | Probe | HoldTransfers | Deliver | StoreEvict
+OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort, "probe": Probe,
+                             "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict}
 # The disaggregated family's operations (applied to a DisaggSession, not a Session).
 from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
 
@@ -95,6 +138,11 @@ def op_from_dict(d: dict) -> Op:
     for key in ("budget", "max_new_tokens"):
         if key in kwargs and (not isinstance(kwargs[key], int) or kwargs[key] < 1):
             raise ValueError(f"{name}.{key}: must be a positive integer")
+    for key in ("pick", "delay"):
+        if key in kwargs and (not isinstance(kwargs[key], int) or isinstance(kwargs[key], bool) or kwargs[key] < 0):
+            raise ValueError(f"{name}.{key}: must be an integer >= 0")
+    if "outcome" in kwargs and kwargs["outcome"] not in OUTCOMES:
+        raise ValueError(f"{name}.outcome: must be one of {', '.join(OUTCOMES)}")
     for key in ("kv_tokens", "concurrent", "expect"):
         if key in kwargs and (not isinstance(kwargs[key], int) or kwargs[key] < 0):
             raise ValueError(f"{name}.{key}: must be a non-negative integer")

@@ -31,10 +31,11 @@ from conformance.harness.checker import Checker, CheckerSet, StepRecord
 from conformance.harness.guard import guarded
 from conformance.harness.history import History
 from conformance.harness.memory import Memory
-from conformance.harness.ops import Abort, Drain, Op, Probe, Step, Submit
+from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
 from conformance.harness.oracle import Oracle
 from conformance.harness.probe import SHORT_LEN, probe_prompts
 from conformance.harness.runner import Runner
+from conformance.harness.transfer_control import TransferControl
 from conformance.model import TinyHybrid
 
 MAX_DRAIN_STEPS = 400
@@ -110,8 +111,23 @@ class Session:
             self._abort(op.request_id)
         elif isinstance(op, Probe):
             self._probe(op)
+        elif isinstance(op, HoldTransfers):
+            self.control.hold()
+        elif isinstance(op, Deliver):
+            self.control.deliver(self.runner.transport, op.pick, op.outcome, op.delay)
+        elif isinstance(op, StoreEvict):
+            self.control.store_evict(self.runner.transport, op.pick)
         else:
             raise TypeError(f"unknown operation {op!r}")
+
+    @property
+    def control(self) -> TransferControl:
+        """The transport's decisions as operations (installed on first use)."""
+        return TransferControl.of(self.runner.transport)
+
+    def pending_loads(self) -> list:
+        """Loads issued and not completed yet, by transfer id."""
+        return TransferControl.pending(self.runner.transport)
 
     def active(self) -> list[str]:
         return [rid for rid, t in self.tracks.items() if not t.done]

@@ -108,6 +108,11 @@ class TransportHooks:
         """Wire seam: the order in which this step's completions are reported."""
         return done
 
+    def release(self, transport: Transport, due: list[Transfer]) -> tuple[list[Transfer], list[Transfer]]:
+        """Wire seam: which transfers deferred by earlier steps complete now and
+        which keep waiting (by default all complete at the next step)."""
+        return due, []
+
 
 @dataclass
 class Firing:
@@ -155,6 +160,9 @@ class Transport:
         then this step's offloads (their sources may be reused by this very
         step, so they never wait), then its loads."""
         due, self.deferred = self.deferred, []
+        for hook in self.hooks:
+            due, wait = hook.release(self, due)
+            self.deferred += wait
         offloads = [t for t in transfers if t.direction == "offload"]
         loads = [t for t in transfers if t.direction == "load"]
         for hook in self.hooks:

@@ -19,14 +19,18 @@ def standard_checkers(families: tuple[str, ...] = ()) -> list[Checker]:
     """The checkers of one session, in order: coverage first (so counts
     include the step that fails), then the invariants of the schedule, the
     logits, the view against memory, and the retention families a check adds
-    (``CheckSpec.observe``: ``"retention"``, ``"hit-rate"``)."""
+    (``CheckSpec.observe``: ``"retention"``, ``"hit-rate"``, and ``"expected-hit"``, the
+    expected-hit oracle of :mod:`conformance.judge.expected_hit`, which fails
+    in the ``hit-rate`` family)."""
     from conformance.judge.coverage import CoverageCounter
+    from conformance.judge.expected_hit import ExpectedHit
+    from conformance.judge.hard_coverage import HardHistoryCoverage
     from conformance.judge.invariants import TablesReferenced, ViewMatchesMemory
     from conformance.judge.logits import LogitsMatchReference
     from conformance.judge.retention import RetentionChecker
 
-    return [CoverageCounter(), TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(),
-            *(RetentionChecker(family) for family in families)]
+    return [CoverageCounter(), HardHistoryCoverage(), TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(),
+            *(ExpectedHit() if family == "expected-hit" else RetentionChecker(family) for family in families)]
 
 
 def judged_session(impl_factory, impl_config, model, oracle, families: tuple[str, ...] = (),

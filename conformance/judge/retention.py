@@ -35,7 +35,9 @@ Two families, reported apart because they are different kinds of bug:
   second-hit admission, a prefix admitted on its first sighting.
 - ``hit-rate`` (a performance bug, logits stay right): a checkpoint the policy
   admits (always, or from the second sighting on) that is not cached right
-  after the step that reached it, or a new request that reused less than the
+  after the step that reached it, as far as the cache had room (a step that
+  reaches more checkpoints than the state slots running requests leave free
+  is failed only for holding fewer than that), or a new request that reused less than the
   longest prefix whose KV and state the cache held when it was scheduled.
 """
 
@@ -68,7 +70,7 @@ def declared_retention(session) -> dict | None:
     if prompt_ends not in (True, False, "tail"):
         raise ConformanceFailure("contract", f"retention(): prompt_ends must be true, false or \"tail\", "
                                              f"got {prompt_ends!r}")
-    units = {k: decl.get(k) for k in ("hash_unit", "junctions")}
+    units = {k: decl.get(k) for k in ("hash_unit", "junctions", "tier_unit")}
     for key, unit in units.items():
         if unit is not None and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
             raise ConformanceFailure("contract", f"retention(): {key} must be an integer >= 1, got {unit!r}")
@@ -78,7 +80,7 @@ def declared_retention(session) -> dict | None:
                                              f"got {interval_at!r}")
     return {"interval": interval, "admission": admission, "prompt_ends": prompt_ends,
             "sequence_ends": bool(decl.get("sequence_ends", False)), "hash_unit": units["hash_unit"] or 1,
-            "junctions": units["junctions"], "interval_at": interval_at}
+            "junctions": units["junctions"], "interval_at": interval_at, "tier_unit": units["tier_unit"]}
 
 
 class RetentionChecker(Checker):
@@ -153,6 +155,7 @@ class RetentionChecker(Checker):
                     self.recorded.setdefault(prefix, self.step_no)
                     offered.append((rs.request_id, q, prefix))
         cov = session.coverage
+        wanted: dict[tuple[int, ...], tuple[str, int, int]] = {}  # admitted checkpoints of this step
         for rid, q, prefix in offered:
             n = self.sightings[prefix]  # after the whole step: two requests may sight it together
             cov["checkpoints_offered"] = cov.get("checkpoints_offered", 0) + 1
@@ -167,10 +170,9 @@ class RetentionChecker(Checker):
             if not admit and prefix in now.states:
                 self._fail("retention", f"request {rid}: the state after {q} tokens was admitted on its first "
                                         f"sighting, but the declared admission is second-hit")
-            if admit and prefix not in now.states:
-                why = "reached" if self.decl["admission"] == "always" else f"sighted {n} times"
-                self._fail("hit-rate", f"request {rid}: checkpoint at position {q} ({why}) is not cached after "
-                                       f"the step, though the declared policy {self._policy()} keeps it")
+            if admit:
+                wanted.setdefault(prefix, (rid, q, n))
+        self._check_capacity(session, wanted, now)
         # A state loaded from the second tier may be cached: the tier kept it
         # (the harness's own record of what loads brought in, not the view).
         loaded = session.runner.transport.loaded_states
@@ -179,6 +181,34 @@ class RetentionChecker(Checker):
             if prefix not in self.admissible and prefix not in loaded:
                 self._fail("retention", f"a state after {len(prefix)} tokens was cached, a position the declared "
                                         f"policy {self._policy()} never checkpoints (or has not admitted yet)")
+
+    def _check_capacity(self, session, wanted: dict, now) -> None:
+        """Every checkpoint the policy admits is cached right after the step
+        that reached it, as far as the cache has room: a step that reaches
+        more checkpoints than there are state slots not held by running
+        requests is failed only for holding fewer than it could."""
+        missing = [(p, info) for p, info in wanted.items() if p not in now.states]
+        if not missing:
+            return
+        view = session.last_view
+        slots = session.layout.num_state_slots
+        if view is not None and view.state_refcounts:
+            cached = {e.slot for e in view.cached_states}
+            running = sum(1 for s, r in view.state_refcounts.items() if r > 0 and s not in cached)
+            room = slots - running
+        else:
+            room = slots
+        held = len(wanted) - len(missing)
+        if held >= min(len(wanted), room):
+            session.coverage["checkpoints_beyond_capacity"] = (
+                session.coverage.get("checkpoints_beyond_capacity", 0) + len(missing))
+            return
+        _prefix, (rid, q, n) = missing[0]
+        why = "reached" if self.decl["admission"] == "always" else f"sighted {n} times"
+        self._fail("hit-rate", f"request {rid}: checkpoint at position {q} ({why}) is not cached after the step, "
+                               f"though the declared policy {self._policy()} keeps it (the step reached "
+                               f"{len(wanted)} admitted checkpoints and held {held}, with {room} state slots not "
+                               f"held by running requests)")
 
     def _junction(self, session, view_before, track, rs) -> list[int]:
         """The request's junction: where the KV that other requests had cached

@@ -49,6 +49,37 @@ CHECKS: tuple[CheckSpec, ...] = (
               "prefix hits before transfer, decode continuing while other transfers are in flight",
               frozenset(), ("pairing_2to1", "pairing_1to2", "mid_block_prompt_ends", "state_shards_transferred",
                             "transfers_verified", "prefill_hits", "in_flight_reuse"), disagg=True),
+    # Appended after the original checks: a check's seed comes from its index
+    # in the profile, so the ones above keep their draws (a regression baseline).
+    # The hard histories of issue 14, each group with the coverage it must reach.
+    CheckSpec("pressure-while-running", "eviction",
+              "distinct long prompts arrive while others are mid-prefill and mid-decode; running requests abort",
+              frozenset({"live-pressure", "live-abort", "step", "continue"}),
+              ("evictions_while_running", "aborts_mid_prefill", "aborts_mid_decode", "prefix_hits"),
+              num_kv_blocks=28, num_state_slots=10, max_seq_blocks=10, max_new_tokens=8),
+    CheckSpec("hard-prefixes", "mid-block",
+              "one cold prefix many times in one step; A->B->A; prompts diverging at every offset inside a block",
+              frozenset({"burst", "aba", "diverge", "step"}),
+              ("same_step_cold_prefills", "aba_rerequests", "in_block_divergences", "tail_divergences"),
+              num_kv_blocks=32, num_state_slots=12, max_seq_blocks=8, observe=("expected-hit",)),
+    CheckSpec("kv-scarce", "eviction",
+              "KV blocks scarcer than state slots: cached KV evicted under running requests",
+              frozenset({"live-pressure", "burst", "step", "continue"}), ("evictions_while_running", "prefix_hits"),
+              num_kv_blocks=14, num_state_slots=24, max_prompt_blocks=3, max_seq_blocks=6, max_active=2),
+    CheckSpec("slots-scarce", "snapshot",
+              "state slots scarcer than KV: snapshot hits compete with new snapshots in one schedule",
+              frozenset({"burst", "diverge", "step", "continue"}), ("snapshot_hits_under_slot_pressure",),
+              num_kv_blocks=64, num_state_slots=6, max_active=2),
+    # The host tier's wire under Hypothesis's control: completions held,
+    # delayed, failed, delivered short or out of order, the host entry evicted
+    # after the lookup, the prefix claimed again or the request aborted while
+    # its load is in flight.
+    CheckSpec("tier-races", "tier",
+              "loads completing late, out of order, failed or short, racing local and remote eviction and aborts",
+              frozenset({"transfers", "aba", "diverge", "step"}),
+              ("tier_loads", "loads_held", "store_evicted_during_load"),
+              num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True,
+              observe=("expected-hit",)),
 )
 
 MIXED = mixed()

@@ -102,9 +102,11 @@ def _build_faults(names: list[str], seed: int):
 
 
 def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = None, trust_impl: bool = False,
-           use_faults: bool = True, timeout: float | None = 30.0, model: TinyHybrid | None = None) -> ReplayOutcome:
+           use_faults: bool = True, timeout: float | None = 30.0, model: TinyHybrid | None = None,
+           keep_events: bool = False) -> ReplayOutcome:
     """Apply the file's operations to a fresh session.  Raises UsageError for
-    what cannot run here, ReproFormatError for operations the session rejects."""
+    what cannot run here, ReproFormatError for operations the session rejects.
+    ``keep_events``: the whole history in ``events`` (else its tail)."""
     impl = choose_impl(repro, cli_impl, trust_impl)
     mutant, notes = choose_mutant(repro, impl, cli_impl, cli_mutant)
     # Faults travel with the mutant: "--mutant none" or another implementation
@@ -144,7 +146,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
         outcome.message = str(exc)
         outcome.failed_at = outcome.applied if session is not None else None
     if session is not None:
-        outcome.events = session.history.tail()
+        outcome.events = list(session.history.events) if keep_events else session.history.tail()
         outcome.coverage = dict(session.coverage)
     return outcome
 

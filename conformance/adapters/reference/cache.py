@@ -97,11 +97,14 @@ class ReferenceCache:
 
     def schedule(self, budget: int) -> StepPlan:
         steps, kv_copies = [], []
-        if self.tier is not None:
-            self.tier.plan_loads(self.waiting)
         for req in list(self.waiting):
-            if self.tier is not None and self.tier.is_loading(req.request_id):
-                continue  # admitted once its loads have completed (or failed)
+            if self.tier is not None:
+                # The tiers are compared right before admission: an earlier
+                # request admitted in this very schedule may have evicted
+                # part of this one's local hit.
+                self.tier.plan_loads([req])
+                if self._waits_for_loads(req.request_id):
+                    continue  # admitted once its loads have completed (or failed)
             if self._admit(req, kv_copies):
                 self.waiting.remove(req)
                 self.running.append(req)
@@ -148,7 +151,10 @@ class ReferenceCache:
 
     def retention(self) -> dict:
         """The declared policy (optional in the contract): the harness checks it."""
-        return self.policy.declaration(self.B)
+        decl = self.policy.declaration(self.B)
+        if self.tier is not None:
+            decl["tier_unit"] = self.B  # the host tier brings back whole blocks and states at their boundaries
+        return decl
 
     def view(self) -> CacheView:
         return CacheView(
@@ -173,6 +179,10 @@ class ReferenceCache:
         References on the hit come first, so the allocations below cannot
         evict what the request is about to reuse."""
         match = self._match(req.tokens[: req.prompt_len])
+        if self.tier is not None:
+            remote = self.tier.remote_length(req.request_id)
+            if remote is not None:
+                match = self._tier_match(req.tokens[: req.prompt_len], match, remote)
         for b in match.blocks:
             self.kv.acquire(b)
         if match.slot is not None:
@@ -203,6 +213,47 @@ class ReferenceCache:
         self.stats["lookups"] += 1
         self.stats["hit_tokens"] += match.length
         return True
+
+    # -- the second tier: compared in tokens, every group reconciled ------------------
+    def _remote_wins(self, local: int, remote: int) -> bool:
+        """Tokens against tokens: a local hit ending inside a block counts
+        every token it has (a tie stays local: no transfer for the same reuse)."""
+        return remote > local
+
+    def _reserve_local_tail(self, prompt: list[int], local: int) -> int | None:
+        """A block for the local hit's partial tail, held while the tiers are
+        compared.  The hit is held meanwhile, so the reservation cannot evict it."""
+        if local % self.B == 0:
+            return None
+        match = self._match(prompt)
+        for b in match.blocks:
+            self.kv.acquire(b)
+        if match.slot is not None:
+            self.states.acquire(match.slot)
+        block = self.kv.allocate()
+        for b in match.blocks:
+            self.kv.release(b)
+        if match.slot is not None:
+            self.states.release(match.slot)
+        return block
+
+    def _release_local_tail(self, block: int | None) -> None:
+        if block is not None:
+            self.kv.release(block)
+
+    def _remote_won(self, block: int | None) -> None:
+        """The remote tier won: the block held for the shorter local tail goes back."""
+        self._release_local_tail(block)
+
+    def _waits_for_loads(self, request_id: str) -> bool:
+        """A request whose loads are in flight is admitted once they completed."""
+        return self.tier.is_loading(request_id)
+
+    def _tier_match(self, prompt: list[int], match: Match, remote: int) -> Match:
+        """After the remote tier's loads landed: the loaded blocks and state
+        joined the device cache, so the longest match (at least the remote
+        length) already reconciles every group to one length."""
+        return match
 
     def _match(self, prompt: list[int]) -> Match:
         kv_len, blocks, keys = self._match_kv(prompt)

@@ -40,6 +40,9 @@ class HostTier:
         self.held: dict[str, list[tuple[str, int]]] = {}  # request id -> loaded entries kept until admission
         self.tried: set[str] = set()
         self.aborted: set[str] = set()
+        self.chosen: dict[str, int] = {}  # request id -> the remote tier's length, when it won
+        self.compared: dict[str, tuple[int, int]] = {}  # request id -> (local, remote) when the remote won
+        self.destinations: dict[str, tuple[list[int], int | None]] = {}  # request id -> its chain's blocks, state slot
         self.next_id = 0
         self.stats = {"offloads": 0, "loads": 0, "load_misses": 0}
         cache.kv.on_evict = self._evict_kv
@@ -55,6 +58,9 @@ class HostTier:
 
     def admitted(self, request_id: str) -> None:
         """The request took its own references: the tier's hold can go."""
+        self.chosen.pop(request_id, None)
+        self.compared.pop(request_id, None)
+        self.destinations.pop(request_id, None)
         for kind, ident in self.held.pop(request_id, []):
             self._release(kind, ident)
 
@@ -97,15 +103,23 @@ class HostTier:
                 self._plan_for(req)
 
     def _plan_for(self, req) -> None:
+        """Compare the tiers in tokens: the local hit (which may end inside a
+        block) against the longest prefix the host tier could bring back (its
+        KV blocks and the state at a block boundary).  The longer wins; a tie
+        stays local (no transfer for the same reuse)."""
         prompt = req.tokens[: req.prompt_len]
-        on_device = self.cache._match(prompt).length
+        local = self.cache._match(prompt).length
+        # A local hit that ends inside a block holds a block for its tail (the
+        # copy it will write) while the tiers are compared: taken first, so
+        # what the comparison sees is what is left after it.
+        tail = self.cache._reserve_local_tail(prompt, local)
         B, parent, chain_ = self.B, ROOT, []
         for i in range(len(prompt) // B):
             block_tokens = tuple(prompt[i * B: (i + 1) * B])
             prefix = tuple(prompt[: (i + 1) * B])
             block, common = self.cache.kv.lookup(parent, block_tokens)
             if block is not None and common == B:
-                chain_.append(None)
+                chain_.append(block)  # on the device already
             elif kv_key(prefix) in self.entries:
                 chain_.append({"key": kv_key(prefix), "parent": parent, "block_tokens": block_tokens,
                                "prefix": prefix})
@@ -114,39 +128,63 @@ class HostTier:
             parent = chain(parent, block_tokens)
         for k in range(len(chain_), 0, -1):
             p = k * B
-            if p <= on_device:
-                return
             if p >= len(prompt):
                 continue
             prefix = tuple(prompt[:p])
             if self.cache.states.lookup(prefix) is not None:
-                state = None
+                state = self.cache.states.lookup(prefix)  # on the device already
             elif state_key(prefix) in self.entries:
                 state = {"key": state_key(prefix), "prefix": prefix}
             else:
                 continue
-            self._load(req.request_id, [c for c in chain_[:k] if c is not None], state)
+            if not self.cache._remote_wins(local, p):
+                break
+            self.cache._remote_won(tail)
+            if self._load(req.request_id, chain_[:k], state):
+                self.chosen[req.request_id] = p
+                self.compared[req.request_id] = (local, p)
             return
+        self.cache._release_local_tail(tail)  # the local tier stays: admission makes its own copy
 
-    def _load(self, rid: str, blocks: list[dict], state: dict | None) -> None:
-        wanted = [("kv", b) for b in blocks] + ([("state", state)] if state else [])
+    def remote_length(self, request_id: str) -> int | None:
+        """The remote tier's length for a request whose loads all verified
+        (None: the local tier won, or a load came back unusable)."""
+        return self.chosen.get(request_id)
+
+    def _load(self, rid: str, chain_: list, state) -> bool:
+        """Load what the host holds of ``chain_`` (dicts; ints are blocks on
+        the device) and ``state`` (a dict, or the device slot holding it).
+        What is on the device is pinned first: the destinations allocated
+        below must not evict the very entries the load joins."""
+        pins = [("kv", b) for b in chain_ if isinstance(b, int)]
+        pins += [("state", state)] if isinstance(state, int) else []
+        for kind, ident in pins:
+            (self.cache.kv if kind == "kv" else self.cache.states).acquire(ident)
+        wanted = [("kv", b) for b in chain_ if isinstance(b, dict)] + ([("state", state)] if isinstance(state, dict)
+                                                                      else [])
         dests = []
         for kind, _ in wanted:
             dest = (self.cache.kv if kind == "kv" else self.cache.states).allocate()
             if dest is None:  # no room: give up on this round (the request recomputes)
-                for k, d in dests:
+                for k, d in dests + pins:
                     self._release(k, d)
-                return
+                return False
             dests.append((kind, dest))
         self.tried.add(rid)
+        it = iter(d for _, d in dests)
+        blocks = [b if isinstance(b, int) else next(it) for b in chain_]
+        self.destinations[rid] = (blocks, state if isinstance(state, int) else (next(it) if state else None))
+        self.held.setdefault(rid, []).extend(pins)  # released when the request is admitted (or aborted)
         ids = set()
         for (kind, info), (_, dest) in zip(wanted, dests):
             t = self._transfer("load", kind, info["key"], dest, rid)
             self.inflight[t.id] = {"direction": "load", "kind": kind, "dest": dest, "request": rid,
                                    "expected": self.entries[info["key"]]["checksum"], **info}
             ids.add(t.id)
-        self.loading[rid] = ids
+        if ids:
+            self.loading[rid] = ids
         self.stats["loads"] += len(ids)
+        return True
 
     def _loaded(self, info: dict, d: TransferDone) -> None:
         rid, kind, dest = info["request"], info["kind"], info["dest"]
@@ -161,6 +199,7 @@ class HostTier:
         else:
             self.entries.pop(info["key"], None)  # the copy on the host is not to be trusted again
             self.stats["load_misses"] += 1
+            self.chosen.pop(rid, None)  # what the remote tier promised did not arrive: a miss
         pending = self.loading.get(rid)
         if pending is not None:
             pending.discard(d.id)

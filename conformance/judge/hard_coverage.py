@@ -1,0 +1,133 @@
+"""Coverage of the hard histories (issue 14) and of the transfer decisions:
+counted from what the session recorded (tracks, plans, the harness's own
+transfer controller), never from what the implementation says, except
+evictions, which the coverage checker counts from views memory proved honest.
+
+- ``evictions_while_running``: entries evicted in a step in which some
+  request was mid-prefill or mid-decode;
+- ``same_step_cold_prefills``: one step in which two or more requests start
+  cold (at 0) on the same first block;
+- ``aba_rerequests``: a prompt asked for again after evictions displaced
+  what was cached when it was first asked for;
+- ``in_block_divergences`` / ``tail_divergences``: a prompt whose longest
+  common prefix with an earlier sequence ends inside a block (and, for the
+  second, one token into that sequence's partial last block);
+- ``matched_then_evicted``: a waiting request whose cached prefix (KV) was
+  shorter at a later schedule than at an earlier one: the LRU met an entry
+  between its match and its use;
+- ``snapshot_hits_under_slot_pressure``: a hit that copies a snapshot in a
+  step where at most two state slots are unreferenced;
+- ``aborts_mid_prefill``, ``aborts_mid_decode``,
+  ``aborts_mid_prefill_after_mid_block_hit``: aborts of requests that ran;
+- ``loads_broken`` (failed or short), ``loads_held``, ``loads_delayed``, ``loads_failed``, ``loads_short``,
+  ``loads_reordered``, ``store_evicted_during_load``, ``claims_while_loading``,
+  ``aborts_while_loading``: the transfer decisions that acted.
+"""
+
+from __future__ import annotations
+
+from conformance.harness.checker import Checker
+from conformance.harness.transfer_control import TransferControl
+from conformance.judge.reuse import INDEXES
+
+HARD_COUNTERS = ("evictions_while_running", "same_step_cold_prefills", "aba_rerequests", "in_block_divergences",
+                 "tail_divergences", "matched_then_evicted", "snapshot_hits_under_slot_pressure",
+                 "aborts_mid_prefill", "aborts_mid_decode", "aborts_mid_prefill_after_mid_block_hit")
+TRANSFER_COUNTERS = ("loads_broken", "loads_held", "loads_delayed", "loads_failed", "loads_short", "loads_reordered",
+                     "store_evicted_during_load", "claims_while_loading", "aborts_while_loading")
+_CONTROL = {"held": "loads_held", "delayed": "loads_delayed", "failed": "loads_failed", "short": "loads_short",
+            "reordered": "loads_reordered", "store_evicted": "store_evicted_during_load"}
+
+
+class HardHistoryCoverage(Checker):
+    name = "hard-coverage"
+
+    def __init__(self):
+        self.first_start: dict[str, int] = {}  # request -> where its first step started
+        self.asked: dict[tuple[int, ...], int] = {}  # prompt -> evictions counted when it was last asked for
+        self.waiting_kv: dict[str, int] = {}  # request -> KV servable at the last schedule, before its first step
+        self.evictions = 0
+
+    def _count(self, session, key: str, n: int = 1) -> None:
+        session.coverage[key] = session.coverage.get(key, 0) + n
+
+    def attached(self, session):
+        for key in HARD_COUNTERS + TRANSFER_COUNTERS:
+            session.coverage.setdefault(key, 0)
+
+    def submitted(self, session, request):
+        cov, B, prompt = session.coverage, session.layout.block_size, request.prompt
+        evicted = cov.get("evictions", 0)
+        if prompt in self.asked and evicted > self.asked[prompt]:
+            self._count(session, "aba_rerequests")
+        self.asked[prompt] = evicted
+        best, tail = 0, False
+        for rid, t in session.tracks.items():
+            if rid == request.request_id:
+                continue
+            seq, n = t.tokens, 0
+            limit = min(len(seq), len(prompt))
+            while n < limit and seq[n] == prompt[n]:
+                n += 1
+            if n < limit and n > best:
+                best, tail = n, len(seq) % B != 0 and n == len(seq) // B * B + 1
+        if best % B:
+            self._count(session, "in_block_divergences")
+            self._count(session, "tail_divergences", tail)
+        self.waiting_kv[request.request_id] = -1
+        pending = {t.request_id for t in session.pending_loads()} if session.runner.transport.deferred else set()
+        loading = [session.tracks[r].tokens[:B] for r in pending if r in session.tracks and r != request.request_id]
+        self._count(session, "claims_while_loading", any(prompt[:B] == p for p in loading))
+
+    def scheduled(self, session, plan, view):
+        B = session.layout.block_size
+        cold: dict[tuple[int, ...], int] = {}
+        for rs in plan.requests:
+            track = session.tracks[rs.request_id]
+            if track.computed is not None:
+                continue
+            self.first_start[rs.request_id] = rs.start
+            self.waiting_kv.pop(rs.request_id, None)
+            if rs.start == 0 and track.prompt_len > B:
+                cold[track.tokens[:B]] = cold.get(track.tokens[:B], 0) + 1
+            if rs.state_init.kind == "copy" and rs.start > 0 and view is not None and view.state_refcounts:
+                # slots neither referenced nor holding a cached snapshot: what a new snapshot can take
+                cached = {e.slot for e in view.cached_states}
+                free = sum(1 for s, r in view.state_refcounts.items() if r == 0 and s not in cached)
+                self._count(session, "snapshot_hits_under_slot_pressure", free <= 1)
+        self._count(session, "same_step_cold_prefills", sum(1 for n in cold.values() if n >= 2))
+        # waiting requests: did what they could reuse shrink since the last schedule?
+        if self.waiting_kv and view is not None:
+            index = INDEXES.get(view, B)
+            for rid in list(self.waiting_kv):
+                track = session.tracks.get(rid)
+                if track is None or track.done:
+                    self.waiting_kv.pop(rid, None)
+                    continue
+                kv = index.kv_servable(track.tokens[: track.prompt_len])
+                self._count(session, "matched_then_evicted", 0 < kv < self.waiting_kv[rid])
+                self.waiting_kv[rid] = kv
+
+    def settled(self, session, view, idle):
+        evicted = session.coverage.get("evictions", 0)
+        if evicted > self.evictions and any(session.tracks[r].computed is not None for r in session.active()):
+            self._count(session, "evictions_while_running")
+        self.evictions = evicted
+        control = next((h for h in session.runner.transport.hooks if isinstance(h, TransferControl)), None)
+        if control is not None:
+            for name, key in _CONTROL.items():
+                session.coverage[key] = control.counts[name]
+            session.coverage["loads_broken"] = control.counts["failed"] + control.counts["short"]
+
+    def aborted(self, session, request_id):
+        track = session.tracks[request_id]
+        if any(t.request_id == request_id for t in session.pending_loads()):
+            self._count(session, "aborts_while_loading")
+        if track.computed is None:
+            return
+        if track.computed < track.prompt_len:
+            self._count(session, "aborts_mid_prefill")
+            self._count(session, "aborts_mid_prefill_after_mid_block_hit",
+                        self.first_start.get(request_id, 0) % session.layout.block_size != 0)
+        else:
+            self._count(session, "aborts_mid_decode")

@@ -1,0 +1,162 @@
+"""Transfers under the generator's control: the decisions are operations,
+they round-trip through repro files (old files still load), replay exactly,
+and the expected-hit oracle judges what a correct cache could reuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conformance.adapters.reference import ReferenceCache
+from conformance.contract import ImplConfig
+from conformance.errors import ConformanceFailure
+from conformance.harness.ops import Deliver, Drain, HoldTransfers, Step, StoreEvict, Submit, op_from_dict, op_to_dict
+from conformance.harness.oracle import Oracle
+from conformance.judge import judged_session
+from conformance.model import ModelConfig, TinyHybrid
+from conformance.results.repro import load
+from conformance.suite.replay import replay
+
+LONG = tuple(range(11, 25))
+JUNK = [tuple(range(26 + 18 * i, 44 + 18 * i)) for i in range(2)]  # below the vocabulary of 64
+CONFIG = ImplConfig(block_size=4, num_kv_blocks=12, num_state_slots=5, options={"host_tier": True})
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return TinyHybrid(ModelConfig())
+
+
+def _displaced(decisions) -> list:
+    """A cached, displaced to the host tier by junk, asked for again; its loads held, then decided."""
+    ops = [HoldTransfers(), Submit("a", LONG), Drain(1024)]
+    for i, junk in enumerate(JUNK):
+        ops += [Submit(f"j{i}", junk), Drain(1024)]
+    return ops + [Submit("c", LONG + (5,)), Step(1)] + list(decisions) + [Drain(1024)]
+
+
+def test_new_operations_round_trip_and_reject_bad_fields():
+    for op in (HoldTransfers(), Deliver(2, "short", 1), StoreEvict(3)):
+        assert op_from_dict(json.loads(json.dumps(op_to_dict(op)))) == op
+    assert op_to_dict(HoldTransfers()) == {"op": "hold-transfers"}
+    for bad, where in (({"op": "deliver", "outcome": "lost"}, "deliver.outcome"),
+                       ({"op": "deliver", "delay": -1}, "deliver.delay"),
+                       ({"op": "store-evict", "pick": "x"}, "store-evict.pick")):
+        with pytest.raises(ValueError, match=where):
+            op_from_dict(bad)
+
+
+def test_old_repro_files_still_load():
+    repro = load("fixtures/scenarios/late-snapshot-published-too-late.json")
+    assert repro.steps and all(type(op).__name__ in ("Submit", "Drain", "Step", "Abort") for op in repro.steps)
+
+
+def test_held_loads_wait_for_decisions_and_the_reference_survives_each(tiny):
+    oracle = Oracle(tiny)
+    for decisions in ([Deliver(0, "ok", 2)], [Deliver(0, "fail")], [Deliver(1, "short"), Deliver(0, "ok")],
+                      [StoreEvict(0)]):
+        s = judged_session(ReferenceCache, CONFIG, tiny, oracle, families=("expected-hit",))
+        ops = _displaced(decisions)
+        held_at = None
+        for op in ops:
+            s.apply(op)
+            if isinstance(op, Step) and held_at is None:
+                held_at = len(s.pending_loads())
+        assert held_at, "the displaced prefix must come back through held loads"
+        counts = s.control.counts
+        assert counts["held"] >= held_at
+        if decisions and isinstance(decisions[0], Deliver) and decisions[0].outcome == "fail":
+            assert counts["failed"] == 1
+        if decisions and isinstance(decisions[0], StoreEvict):
+            assert counts["store_evicted"] == 1
+        assert s.idle() and not s.pending_loads()
+
+
+def test_transfer_decisions_replay_exactly_from_a_repro_file(tmp_path, tiny):
+    """A failure found with decisions in it (a load completing two steps late
+    meets a cache that does not wait for its loads) replays to the same
+    failure, at the same operation, from the file alone."""
+    from fault_injection.catalog import get_mutant
+
+    factory = get_mutant("tier-load-not-awaited").wrap(ReferenceCache)
+    ops = _displaced([Deliver(0, "ok", 2)])
+    s = judged_session(factory, CONFIG, tiny, Oracle(tiny))
+    with pytest.raises(ConformanceFailure) as first:
+        for op in ops:
+            s.apply(op)
+    doc = {"schema": "hybrid-cache-conformance/repro", "schema_version": 2, "impl": "reference",
+           "mutant": "tier-load-not-awaited", "faults": [], "seed": 0,
+           "impl_config": {"block_size": 4, "num_kv_blocks": 12, "num_state_slots": 5,
+                           "options": {"host_tier": True}},
+           "model": {}, "steps": [op_to_dict(op) for op in s.history.ops]}
+    path = tmp_path / "race.json"
+    path.write_text(json.dumps(doc))
+    again = [replay(load(path), model=tiny) for _ in range(2)]
+    assert all(o.reproduced and o.kind == first.value.kind and o.message == str(first.value) for o in again)
+    assert again[0].failed_at == again[1].failed_at == len(s.history.ops) - 1
+    # and the same operations on the clean reference pass
+    assert not replay(load(path), cli_mutant="none", model=tiny).reproduced
+
+
+def test_expected_hit_fails_a_cache_that_reuses_less_than_it_holds(tiny):
+
+    repro = load("fixtures/scenarios/tier-local-longer.json")
+    out = replay(repro, model=tiny)
+    assert out.reproduced and out.kind == "hit-rate" and "could reuse 7" in out.message
+
+
+def test_a_hit_longer_than_memory_held_is_a_correctness_failure(tiny):
+    """A request that starts past what its blocks and state hold: the oracle
+    names it (kind invariant), even when the logits would agree."""
+    from conformance.judge.expected_hit import ExpectedHit
+
+    class Executed:
+        def __init__(self, reads):
+            from conformance.contract import RequestStep
+
+            self.step = RequestStep("x", 4, 6, (0, 1), 0)
+            self.reads = reads
+
+    class Track:
+        computed = None
+
+    class Session:
+        tracks = {"x": Track()}
+
+    check = ExpectedHit()
+    check.computed(Session(), Executed("state slot 0: conv ok, matrix ok; KV [0, 4): ok"))
+    with pytest.raises(ConformanceFailure) as exc:
+        check.computed(Session(), Executed("state slot 0: conv ok, matrix state after 3 tokens of this sequence "
+                                           "(wanted 4); KV [0, 4): ok"))
+    assert exc.value.kind == "invariant"
+
+
+def test_checkpoints_beyond_the_free_slots_are_not_failed():
+    """Several checkpoints reached in one step with fewer slots free than
+    checkpoints: holding as many as there was room for passes; holding fewer
+    fails (hit-rate)."""
+    from conformance.contract import CachedState, CacheView
+    from conformance.judge.retention import RetentionChecker
+
+    class Layout:
+        num_state_slots = 3
+
+    class Session:
+        layout = Layout()
+        coverage: dict = {}
+
+        def __init__(self, view):
+            self.last_view = view
+
+    check = RetentionChecker("hit-rate")
+    check.decl = {"interval": 4, "admission": "always"}
+    a, b, c = (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (1,) * 12
+    wanted = {a: ("r", 4, 1), b: ("r", 8, 1), c: ("r", 12, 1)}
+    # two slots run requests, one holds a snapshot: room for one of the three
+    full = CacheView(state_refcounts={0: 1, 1: 1, 2: 0}, cached_states=(CachedState(2, c),))
+    check._check_capacity(Session(full), wanted, type("Now", (), {"states": {c}})())
+    empty = CacheView(state_refcounts={0: 1, 1: 0, 2: 0}, cached_states=())
+    with pytest.raises(ConformanceFailure) as exc:
+        check._check_capacity(Session(empty), wanted, type("Now", (), {"states": set()})())
+    assert exc.value.kind == "hit-rate"

@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only share I of N of the checks (1-based; for CI matrices)")
     p.add_argument("--workers", type=int, default=1, help="run checks in N processes on this machine")
+    p.add_argument("--no-matrix", action="store_true",
+                   help="run each check once, not under the implementation's configuration matrix")
     p.add_argument("--shrink", default="hypothesis", choices=("hypothesis", "ops", "none"),
                    help="how a failure is minimized: Hypothesis's shrinker (thorough), by replaying subsets of "
                         "its operations (seconds), or not at all")
@@ -61,7 +63,7 @@ def main(args) -> int:
                       faults=tuple(f for f in args.faults.split(",") if f), timeout=args.timeout,
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
                       block_size=args.block_size, progress=Progress(), shard=parse_shard(args.shard),
-                      shrink=args.shrink, workers=args.workers)
+                      shrink=args.shrink, workers=args.workers, matrix=not args.no_matrix)
     if args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1")
     if args.expectations:

@@ -167,6 +167,21 @@ def _run_facts(result_dict: dict) -> dict:
             "options": dict((result_dict.get("impl_config") or {}).get("options") or {})}
 
 
+def base_id(check_id: str) -> str:
+    """``mid-block-hits[prefix_match_unit=1]`` -> ``mid-block-hits``."""
+    return check_id.partition("[")[0] if check_id.endswith("]") else check_id
+
+
+def entry_for(expectations: dict, check: dict) -> dict:
+    """A configuration-matrix variant's own entry, else its check's."""
+    return expectations.get(check["id"]) or expectations.get(base_id(check["id"])) or {}
+
+
+def check_facts(facts: dict, check: dict) -> dict:
+    """The run's facts, with a variant's options over the run's."""
+    return {**facts, "options": {**facts.get("options", {}), **(check.get("options") or {})}}
+
+
 def compare_with_expectations(result_dict: dict, expectations_path: str | Path) -> tuple[list[str], list[str]]:
     """(unexpected failures, unexpected passes).  A check absent from the file
     is expected to pass; skipped checks are neither.  An expected failure that
@@ -175,7 +190,7 @@ def compare_with_expectations(result_dict: dict, expectations_path: str | Path) 
     facts = _run_facts(result_dict)
     unexpected_failures, unexpected_passes = [], []
     for c in result_dict.get("checks", []):
-        want = expected_status(exp.get(c["id"], {}), facts)
+        want = expected_status(entry_for(exp, c), check_facts(facts, c))
         if c["status"] in BAD and want == "passed":
             unexpected_failures.append(c["id"])
         elif c["status"] == "passed" and want == "failed":
@@ -192,12 +207,14 @@ def format_expectations(result_dict: dict, expectations_path: str | Path) -> tup
         msg = ((by_id[cid].get("failure") or {}).get("message") or "")[:300]
         lines.append(f"  UNEXPECTED FAILURE {cid}: {msg}")
     for cid in passes:
-        entry = doc["checks"][cid]
+        entry = entry_for(doc["checks"], by_id[cid])
         lines.append(f"  unexpected pass    {cid} (expected to fail: {entry.get('reason', '')} "
                      f"{' '.join(entry.get('upstream', []))}); update the expectations file")
     facts = _run_facts(result_dict)
-    for cid, entry in doc.get("checks", {}).items():
-        if expected_status(entry, facts) == "failed" and cid in by_id and by_id[cid]["status"] in BAD:
+    exp = doc.get("checks", {})
+    for cid, c in by_id.items():
+        entry = entry_for(exp, c)
+        if entry and c["status"] in BAD and expected_status(entry, check_facts(facts, c)) == "failed":
             lines.append(f"  expected failure   {cid} ({' '.join(entry.get('upstream', []))})")
     ok = not fails and not passes
     lines.append("as expected" if ok else "NOT as expected")

@@ -20,6 +20,7 @@ from conformance.judge.metrics import CacheMetrics
 from conformance.model import TinyHybrid
 from conformance.results import report
 from conformance.results.records import CheckResult, Failure, RunResult
+from conformance.suite.matrix import parse_variant_id
 from conformance.suite.options import RunOptions
 
 
@@ -32,7 +33,9 @@ def record_check(out: Path | None, result: RunResult, res: CheckResult) -> None:
 
 
 def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
-    tier = dict([tier_option]) if spec.tier and tier_option else {}
+    # A check's own setting of the tier option (a matrix variant choosing the
+    # connector's mode) wins over the plain "on".
+    tier = dict([tier_option]) if spec.tier and tier_option and tier_option[0] not in spec.options else {}
     return spec.impl_config(block_size=opts.block_size, options={**spec.options, **tier, **opts.impl_options})
 
 
@@ -60,10 +63,12 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     tier_option = getattr(factory, "tier_option", None)
     if spec.tier and not tier_option:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
     impl_config = check_impl_config(spec, opts, tier_option)
     if spec.observe and not _declares_retention(factory, impl_config, opts.timeout):
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           options=parse_variant_id(spec.id)[1],
                            reason=f"the implementation declares no retention policy (optional retention() "
                                   f"method) for the options {impl_config.options}")
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
@@ -111,7 +116,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     if failure is not None:
         failure.impl_config = asdict(impl_config)
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
-                       examples=recorder.examples, steps=recorder.steps,
+                       options=parse_variant_id(spec.id)[1], examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary())
 

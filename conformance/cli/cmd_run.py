@@ -24,9 +24,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=1, help="run checks in N processes on this machine")
     p.add_argument("--no-matrix", action="store_true",
                    help="run each check once, not under the implementation's configuration matrix")
-    p.add_argument("--shrink", default="hypothesis", choices=("hypothesis", "ops", "none"),
+    p.add_argument("--shrink", default=None, choices=("hypothesis", "ops", "none"),
                    help="how a failure is minimized: Hypothesis's shrinker (thorough), by replaying subsets of "
-                        "its operations (seconds), or not at all")
+                        "its operations (seconds), or not at all (default: the implementation's preference, else "
+                        "hypothesis)")
     p.add_argument("--expectations", default=None, metavar="TOML",
                    help="exit by an expectations file (fixtures/expectations/<engine>-<version>.toml): "
                         "1 only for unexpected failures or passes")

@@ -39,6 +39,13 @@ def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
     return spec.impl_config(block_size=opts.block_size, options={**spec.options, **tier, **opts.impl_options})
 
 
+def shrink_mode(factory, opts: RunOptions) -> str:
+    """The user's choice, else the implementation's (an optional ``shrink``
+    class attribute: vLLM builds a scheduler per example, so Hypothesis's
+    shrinker takes minutes there where replaying subsets takes seconds)."""
+    return opts.shrink or getattr(factory, "shrink", None) or "hypothesis"
+
+
 def _declares_retention(factory, impl_config, timeout: float | None) -> bool:
     """Whether the implementation, built with this configuration, declares a
     retention policy (an engine may declare one for some settings only)."""
@@ -84,8 +91,9 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         return HybridCacheMachine(factory, spec, model=model, oracle=oracle, impl_config=impl_config,
                                   timeout=opts.timeout, recorder=recorder, attach=attach)
 
+    shrink = shrink_mode(factory, opts)
     test = get_state_machine_test(machine, settings=hypothesis_settings(examples, steps,
-                                                                        shrink=opts.shrink == "hypothesis"))
+                                                                        shrink=shrink == "hypothesis"))
     test = hypothesis_seed(opts.seed * 1000 + index)(test)
     started = time.perf_counter()
     status, failure = "passed", None
@@ -98,7 +106,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         first = recorder.first_failure or (None, None)
         failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
                           examples_to_failure=first[0], seconds_to_failure=first[1])
-        if opts.shrink == "ops" and steps_data:
+        if shrink == "ops" and steps_data:
             minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
     except UsageError:
         raise

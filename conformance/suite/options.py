@@ -45,7 +45,8 @@ class RunOptions:
     # "hypothesis": Hypothesis shrinks the failing example; "ops": it does not, and the failing
     # operations are minimized by replay instead; "none": the first failing example as it came
     # operations are minimized by replay instead (conformance/minimize.py: seconds, not minutes).
-    shrink: str = "hypothesis"
+    # None: the implementation's ``shrink`` class attribute, else "hypothesis".
+    shrink: str | None = None
     shard: tuple[int, int] | None = None  # (i, n), 1 <= i <= n: run every n-th check (CI runners)
     workers: int = 1  # processes on this machine (conformance.suite.parallel)
     # Expand each check under the implementation's configuration matrix

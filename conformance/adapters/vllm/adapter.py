@@ -41,6 +41,9 @@ class VllmCache:
     name = "vllm"
     version = vllm.__version__
     tier_option = ("connector", True)  # the store connector, asynchronous loads (see .connector)
+    # Each example builds a vLLM scheduler: Hypothesis's shrinker needs minutes
+    # per failure here, replaying subsets of the failing operations seconds.
+    shrink = "ops"
     # The configurations under which each check family's situations are
     # reachable in vLLM (conformance/suite/matrix.py expands every check into
     # one variant per set; ``{}`` is vLLM's defaults: match unit = block size,
@@ -99,6 +102,14 @@ class VllmCache:
         self._pending_plan = None
         self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "resumed": 0,
                       "prefill_checkpoints": 0}
+
+    @classmethod
+    def warm_up(cls) -> None:
+        """Build the default ModelConfig once (vLLM inspects the model in a
+        subprocess: 15 s and more on a loaded machine), outside any example."""
+        from conformance.adapters.vllm.config import _model_config
+
+        _model_config(VllmOptions.max_model_len)
 
     @property
     def pool(self):

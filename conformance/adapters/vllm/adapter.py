@@ -62,6 +62,7 @@ class VllmCache:
                  {"connector": "async", "prefix_match_unit": 1}, {"connector": "divergent", "prefix_match_unit": 1}),
         "retention": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
         "hit-rate": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
+        "disagg": ({},),  # no disaggregated mode here: skipped once, not once per variant
         "*": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "connector": "divergent"}),
     }
 

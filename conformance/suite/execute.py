@@ -5,7 +5,7 @@ and the reports written after it."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from hypothesis import seed as hypothesis_seed
@@ -46,6 +46,20 @@ def shrink_mode(factory, opts: RunOptions) -> str:
     return opts.shrink or getattr(factory, "shrink", None) or "hypothesis"
 
 
+def real_block_size(factory, impl_config, timeout: float | None):
+    """The configuration with the block size the implementation really uses
+    (``layout()``: an engine may raise the one asked for, as vLLM raises a
+    hybrid model's attention block to hold a Mamba page), so that the
+    generator draws prompt lengths and budgets around the real blocks.  The
+    same configuration when it keeps the block size asked for."""
+    try:
+        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        block_size = guarded("layout()", impl.layout, timeout=timeout).block_size
+    except ImplementationError:
+        return impl_config  # the check builds it again and reports the error, with context
+    return impl_config if block_size == impl_config.block_size else replace(impl_config, block_size=block_size)
+
+
 def _declares_retention(factory, impl_config, timeout: float | None) -> bool:
     """Whether the implementation, built with this configuration, declares a
     retention policy (an engine may declare one for some settings only)."""
@@ -72,7 +86,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
-    impl_config = check_impl_config(spec, opts, tier_option)
+    impl_config = real_block_size(factory, check_impl_config(spec, opts, tier_option), opts.timeout)
     if spec.observe and not _declares_retention(factory, impl_config, opts.timeout):
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],

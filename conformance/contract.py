@@ -192,10 +192,20 @@ class CachedState:
 class CacheView:
     """The implementation's bookkeeping, as it states it; the harness checks it
     against memory.  Empty collections are fine for what an implementation
-    does not track."""
+    does not track (the result then notes the reduced assurance; leaks are
+    still found by the pool probe, which needs no view).
 
-    kv_refcounts: dict[int, int] = field(default_factory=dict)  # block -> refcount (0 = free)
-    state_refcounts: dict[int, int] = field(default_factory=dict)  # slot -> refcount
+    A *refcount* is the number of holders of a block or slot other than the
+    cache itself: requests (running, or admitted and waiting), and copies or
+    transfers of a step that have not run yet.  The cache's own retention is
+    not a reference: an entry that is only cached (listed in ``cached_kv`` /
+    ``cached_states``, reusable and evictable) has refcount 0, like a free one.
+    The harness checks that every block a scheduled request uses has
+    refcount >= 1, and that at idle (no request active, no transfer in flight)
+    every refcount is 0: one above 0 then is a leak."""
+
+    kv_refcounts: dict[int, int] = field(default_factory=dict)  # block -> holders (0 = free or only cached)
+    state_refcounts: dict[int, int] = field(default_factory=dict)  # slot -> holders (0 = free or only cached)
     cached_kv: tuple[CachedKV, ...] = ()
     cached_states: tuple[CachedState, ...] = ()
     running: tuple[str, ...] = ()  # requests that hold memory

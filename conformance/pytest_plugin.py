@@ -42,9 +42,9 @@ def pytest_addoption(parser) -> None:
     g.addoption("--hybrid-seed", type=int, default=0, help="seed (default 0, as the CLI)")
     g.addoption("--hybrid-examples", type=int, default=None, help="examples per check (overrides the profile)")
     g.addoption("--hybrid-steps", type=int, default=None, help="operations per example (overrides the profile)")
-    g.addoption("--hybrid-shrink", default="hypothesis", choices=("hypothesis", "ops"),
-                help="how a failing example is minimized: Hypothesis's shrinker (thorough, minutes) or by "
-                     "replaying subsets of its operations (seconds)")
+    g.addoption("--hybrid-shrink", default="ops", choices=("ops", "hypothesis+ops", "hypothesis", "none"),
+                help="how a failing example is minimized: by replaying subsets of its operations (default, "
+                     "seconds), Hypothesis's shrinker first (minutes), Hypothesis's alone, or not at all")
     g.addoption("--hybrid-report-dir", default=None, metavar="DIR",
                 help="write results.json, junit.xml, index.html and repros/ here")
 
@@ -61,13 +61,17 @@ class ConformanceRunner:
 
     def __init__(self, impl: str | object, profile: str = "quick", seed: int = 0, mutant: str | None = None,
                  examples: int | None = None, steps: int | None = None, report_dir: str | Path | None = None,
-                 shrink: str = "hypothesis"):
+                 shrink: str = "ops"):
+        import torch
+
         from conformance.harness.oracle import Oracle
         from conformance.model import TinyHybrid
         from conformance.results.records import RunResult
         from conformance.suite.options import RunOptions, now
         from conformance.suite.prepare import prepare
 
+        # As the CLI: the tiny model's tensors only pay for intra-op threads (tens of times slower on a busy CPU).
+        torch.set_num_threads(1)
         # A factory object (a class) is accepted as well as a spec string.
         spec = impl if isinstance(impl, str) else \
             f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
@@ -121,7 +125,9 @@ class ConformanceRunner:
             check_id = impl_or_check
         res = self.run_check(check_id)
         if res.status in ("failed", "error"):
-            pytest.fail(failure_text(res), pytrace=False)
+            pytest.fail(failure_text(res, self.opts.impl), pytrace=False)
+        if res.status == "skipped":  # not a pass: pytest reports it as a skip, with the reason
+            pytest.skip(f"{check_id}: {res.reason}")
         return res
 
     def finish(self) -> None:
@@ -133,14 +139,16 @@ class ConformanceRunner:
             report.write_all(self.out, self.result)
 
 
-def failure_text(res) -> str:
+def failure_text(res, impl_spec: str | None = None) -> str:
     f = res.failure
     lines = [f"{res.id}: {res.status} ({f.kind}): {f.message}"]
     if f.steps:
         lines += ["", f"minimized sequence ({len(f.steps)} operations):"]
         lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(f.steps)]
     if f.repro:
-        lines += ["", f"replay: hybrid-conformance replay {f.repro}"]
+        from conformance.results.html import replay_command
+
+        lines += ["", f"replay: {replay_command(f.repro, impl_spec)}"]
     return "\n".join(lines)
 
 
@@ -163,7 +171,9 @@ class ConformanceItem(pytest.Item):
         if res.failure is not None and res.failure.repro:
             self.user_properties.append(("repro", res.failure.repro))
         if res.status in ("failed", "error"):
-            raise _CheckFailedReport(failure_text(res))
+            raise _CheckFailedReport(failure_text(res, runner.opts.impl))
+        if res.status == "skipped":
+            pytest.skip(f"{self.check_id}: {res.reason}")
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, _CheckFailedReport):

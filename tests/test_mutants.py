@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conformance.cli.cmd_mutants import mutants_for, run_mutant, summarize
+from conformance.cli.cmd_mutants import SUITE_DETECTION, mutants_for, run_mutant, summarize
 from conformance.cli.main import main
 from conformance.suite.run import RunOptions
 
@@ -25,8 +25,9 @@ def test_mutant_is_detected_with_a_short_repro(name, tmp_path):
     from fault_injection.catalog import get_mutant
 
     entry = run_mutant(get_mutant(name), RunOptions(profile="quick"), tmp_path / name)
-    assert entry["detected"], f"{name} escaped the suite: checks run {entry['checks_run']}"
-    assert entry["kind"] not in ("coverage", "harness")
+    assert entry["detected"], f"{name} escaped the suite: checks run {entry['checks_run']}, " \
+                              f"crashed itself {entry['crashed_itself']}, not detections {entry['not_detections']}"
+    assert entry["kind"] in SUITE_DETECTION  # never its own crash (raised/timeout), never coverage
     assert entry["repro_steps"] is not None and entry["repro_steps"] <= 8, entry
     assert entry["examples_to_detection"] >= 1 and entry["seconds_to_detection"] >= 0
     repro = json.loads(open(entry["repro"]).read())
@@ -73,3 +74,28 @@ def test_summary_median_and_max():
                for n, s in (("a", 1.0), ("b", 3.0), ("c", 10.0))]
     s = summarize(entries)
     assert s["median_seconds_to_detection"] == 3.0 and s["max_seconds_to_detection"] == 10.0
+
+
+def test_a_mutant_that_crashes_itself_is_not_caught_by_the_suite(tmp_path, monkeypatch, capsys):
+    """A mutant whose own code raises was not detected by the suite: recorded
+    apart (crashed_itself), not counted, exit 1."""
+    from conformance.adapters.reference import ReferenceCache
+    from fault_injection.registry import MUTANTS, Mutant
+
+    def crash(factory):
+        class Crashing(factory):
+            def schedule(self, budget):
+                raise AssertionError("my own consistency check")
+
+        return Crashing
+
+    assert issubclass(crash(ReferenceCache), ReferenceCache)
+    monkeypatch.setitem(MUTANTS, "crash", Mutant("crash", "NONE", "raises in schedule", "reference", crash))
+    rc = main(["mutants", "--only", "crash", "--check", "mid-block-hits", "--examples", "3",
+               "--report-dir", str(tmp_path)])
+    assert rc == 1
+    entry = json.loads((tmp_path / "mutants.json").read_text())["mutants"][0]
+    assert entry["detected"] is False and entry["crashed_itself"][0]["kind"] == "raised"
+    out = capsys.readouterr()
+    assert "0/1 mutants caught by the suite (1 crashed themselves" in out.err
+    assert "mid-block-hits (raised)" in out.out  # the table's "crashed itself" column

@@ -72,3 +72,31 @@ def test_without_hybrid_impl_the_plugin_adds_nothing(tmp_path):
     (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")
     proc = _pytest(tmp_path)
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_skips_are_pytest_skips_and_the_adapter_imports_from_the_current_directory(tmp_path):
+    """The README's NoCache, in a module of the current directory, run by the
+    ``pytest`` script (whose sys.path does not hold the current directory): a
+    check it cannot run is a pytest skip with its reason, never a pass, and a
+    situation it never reaches fails on coverage."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "class NoCache" in b)
+    (tmp_path / "nocache.py").write_text(block)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = Path(sys.executable).parent / "pytest"
+    argv = [str(script) if script.exists() else sys.executable, *([] if script.exists() else ["-m", "pytest"])]
+    proc = subprocess.run([*argv, "-p", "conformance.pytest_plugin", "-p", "no:cacheprovider", "-rs", "-q",
+                           "--hybrid-impl", "nocache:NoCache", "--hybrid-check", "tier-reuse",
+                           "--hybrid-check", "mid-block-hits", "--hybrid-examples", "3", "--hybrid-steps", "4"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "1 failed, 1 skipped" in out and "no second tier" in out, out
+    assert "(coverage)" in out and "mid_block_hits stayed at 0" in out, out
+    # a module that is not there: a usage error with a hint
+    proc = subprocess.run([*argv, "-p", "conformance.pytest_plugin", "-p", "no:cacheprovider", "-q",
+                           "--hybrid-impl", "nosuchmodule:X"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0 and "run from the directory that holds nosuchmodule" in proc.stdout + proc.stderr

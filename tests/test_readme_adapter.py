@@ -28,3 +28,19 @@ def test_readme_adapter_is_correct(model, oracle):
     s.apply(Drain(1024))
     assert s.coverage["prefix_hits"] == 0 and s.coverage["decode_steps"] > 0
     assert not s.active()
+
+
+def test_machine_test_enforces_coverage_as_run_does():
+    """The README's NoCache never hits a prefix: ``machine_test`` must fail
+    mid-block-hits on coverage (as ``run`` does), not pass it."""
+    import pytest
+
+    from conformance.testing import machine_test
+
+    NoCache = _example_namespace()["NoCache"]
+    test = machine_test(NoCache, check="mid-block-hits", examples=5, steps=6)
+    with pytest.raises(AssertionError, match=r"mid-block-hits failed \(coverage\).*mid_block_hits stayed at 0"):
+        test()
+    # A check that cannot run against it (no second tier) is a pytest skip with the reason, not a pass.
+    with pytest.raises(pytest.skip.Exception, match="no second tier"):
+        machine_test(NoCache, check="tier-reuse", examples=2, steps=4)()

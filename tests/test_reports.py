@@ -65,11 +65,11 @@ def test_expectations(runs, tmp_path, capsys):
     exp.write_text('engine = "reference"\nversion = "1.0"\n')
     assert compare_with_expectations(mut, exp) == (["mid-block-hits"], [])
     exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
-                   'reason = "late snapshot"\nupstream = ["sglang#32606"]\n')
+                   'kind = "invariant"\nreason = "late snapshot"\nupstream = ["sglang#32606"]\n')
     assert compare_with_expectations(mut, exp) == ([], [])
     assert compare_with_expectations(_load(runs / "ref"), exp) == ([], ["mid-block-hits"])
     assert cli(["compare", str(exp), str(runs / "mut")]) == 0
-    assert "expected failure   mid-block-hits (sglang#32606)" in capsys.readouterr().out
+    assert "expected failure   mid-block-hits [invariant] (sglang#32606)" in capsys.readouterr().out
     assert cli(["compare", str(exp), str(runs / "ref")]) == 1
     exp.write_text('engine = "reference"\n[checks.x]\nstatus = "flaky"\n')
     assert cli(["compare", str(exp), str(runs / "ref")]) == 2
@@ -78,7 +78,8 @@ def test_expectations(runs, tmp_path, capsys):
 
 def test_run_exits_by_the_expectations(tmp_path, capsys):
     exp = tmp_path / "reference-1.0.toml"
-    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n')
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'kind = "invariant"\n')
     argv = ["run", "--check", "mid-block-hits", "--mutant", "late-snapshot", "--examples", "20", "--steps", "6",
             "--shrink", "none", "--report-dir", str(tmp_path / "r"), "--expectations", str(exp)]
     assert cli(argv) == 0  # the failure is expected
@@ -86,11 +87,67 @@ def test_run_exits_by_the_expectations(tmp_path, capsys):
     assert cli(["run", "--expectations", str(tmp_path / "missing.toml")]) == 2
 
 
+def test_an_expected_failure_of_another_kind_is_a_new_failure(runs, tmp_path, capsys):
+    """A check expected to fail on coverage that fails on an invariant has found something new."""
+    mut = _load(runs / "mut")
+    assert mut["checks"][0]["failure"]["kind"] == "invariant"
+    exp = tmp_path / "reference-1.0.toml"
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'kind = "coverage"\n')
+    assert compare_with_expectations(mut, exp) == (["mid-block-hits"], [])
+    assert cli(["compare", str(exp), str(runs / "mut")]) == 1
+    out = capsys.readouterr().out
+    assert "UNEXPECTED FAILURE mid-block-hits: expected a coverage failure, got invariant" in out
+    # the message pattern must match too
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'kind = "invariant"\nmessage = "no such text"\n')
+    assert compare_with_expectations(mut, exp) == (["mid-block-hits"], [])
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'kind = "invariant"\nmessage = "registered as the state after"\n')
+    assert compare_with_expectations(mut, exp) == ([], [])
+    # an expected failure without its kind, an unknown kind or a bad pattern: the file is unusable (exit 2)
+    for body, err in (('status = "failed"\n', "an expected failure names its kind"),
+                      ('status = "failed"\nkind = "oops"\n', "an expected failure names its kind"),
+                      ('status = "failed"\nkind = "invariant"\nmessage = "("\n', "not a regular expression"),
+                      ('status = "passed"\nkind = "invariant"\n', "only an expected failure has a kind")):
+        exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\n' + body)
+        assert cli(["compare", str(exp), str(runs / "mut")]) == 2
+        assert err in capsys.readouterr().err
+
+
+def test_run_with_a_coverage_expectation_exits_1_on_a_logits_failure(tmp_path, capsys):
+    """The false green of issue 11: vLLM's mid-block-hits is expected to fail on coverage;
+    a run where it fails otherwise must not end "as expected"."""
+    exp = tmp_path / "reference-1.0.toml"
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+                   'kind = "coverage"\nmessage = "mid_block_hits stayed at 0"\n')
+    argv = ["run", "--check", "mid-block-hits", "--mutant", "late-snapshot", "--examples", "20", "--steps", "6",
+            "--shrink", "none", "--report-dir", str(tmp_path / "r"), "--expectations", str(exp)]
+    assert cli(argv) == 1
+    err = capsys.readouterr().err
+    assert "UNEXPECTED FAILURE mid-block-hits: expected a coverage failure matching" in err
+    assert "NOT as expected" in err
+
+
+def test_expectations_of_skipped_checks():
+    """A listed check that was skipped is not as expected; an all-skipped run never is."""
+    from conformance.results.expectations import judge_expectations
+
+    doc = {"engine": "e", "version": "1", "checks": {"a": {"status": "passed"}}}
+    run_ = {"checks": [{"id": "a", "status": "skipped", "reason": "no tier"},
+                       {"id": "b", "status": "passed"}]}
+    v = judge_expectations(run_, doc)
+    assert not v.ok and v.unexpected_skips == [("a", "no tier")]
+    v = judge_expectations({"checks": [{"id": "b", "status": "skipped", "reason": "r"}]}, doc)
+    assert not v.ok and v.nothing_checked and v.skipped == [("b", "r")]
+
+
 def test_expectations_can_depend_on_the_run_options(runs, tmp_path, capsys):
     """A `when` rule changes the expected status only for runs whose options match it."""
     exp = tmp_path / "reference-1.0.toml"
     exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
-                   '[[checks."mid-block-hits".when]]\noptions = { interval = 4 }\nstatus = "passed"\n')
+                   'kind = "invariant"\n[[checks."mid-block-hits".when]]\noptions = { interval = 4 }\n'
+                   'status = "passed"\n')
     mut, ref = _load(runs / "mut"), _load(runs / "ref")
     assert compare_with_expectations(mut, exp) == ([], [])
     assert compare_with_expectations(ref, exp) == ([], ["mid-block-hits"])
@@ -102,11 +159,11 @@ def test_expectations_can_depend_on_the_run_options(runs, tmp_path, capsys):
     assert compare_with_expectations(ref, exp) == ([], ["mid-block-hits"])
     # a rule may name the profile (a longer profile reaches what quick does not)
     exp.write_text('engine = "reference"\nversion = "1.0"\n[checks."mid-block-hits"]\nstatus = "passed"\n'
-                   '[[checks."mid-block-hits".when]]\nprofile = "nightly"\nstatus = "failed"\n')
+                   '[[checks."mid-block-hits".when]]\nprofile = "nightly"\nstatus = "failed"\nkind = "invariant"\n')
     assert compare_with_expectations(mut, exp) == (["mid-block-hits"], [])
     mut["profile"] = "nightly"
     assert compare_with_expectations(mut, exp) == ([], [])
-    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks.x]\nstatus = "failed"\n'
+    exp.write_text('engine = "reference"\nversion = "1.0"\n[checks.x]\nstatus = "failed"\nkind = "invariant"\n'
                    '[[checks.x.when]]\noptions = {}\nstatus = "passed"\n')
     assert cli(["compare", str(exp), str(runs / "ref")]) == 2
     assert "when: must be a list" in capsys.readouterr().err
@@ -130,7 +187,7 @@ def test_find_expectations_tells_impls_apart(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text('engine = "x"\nversion = "1"\nimpl = 3\n')
     res = tmp_path / "results.json"
-    res.write_text('{"checks": []}')
+    res.write_text('{"checks": [{"id": "a", "status": "passed"}]}')
     assert cli(["compare", str(both), str(res)]) == 0
     assert cli(["compare", str(bad), str(res)]) == 2
     assert "impl: must be a string or a list of strings" in capsys.readouterr().err
@@ -145,8 +202,10 @@ def test_shipped_expectations_are_found_for_each_adapter():
     assert find_expectations("vllm", "0.33.0").name == "vllm-0.33.0.toml"
     # The scheduler adapter's and the engine's ids share the file without overlap.
     checks = load_expectations(cpu)["checks"]
-    assert checks["mid-block-hits"]["status"] == "failed"
-    assert checks["engine-mid-block:granite-hybrid-tiny-sharp"]["status"] == "failed"
+    assert checks["mid-block-hits"]["status"] == "failed" and checks["mid-block-hits"]["kind"] == "coverage"
+    granite = checks["engine-mid-block:granite-hybrid-tiny-sharp"]
+    assert granite["status"] == "failed" and granite["kind"] == "raised" and granite["message"] == "IndexError"
+    assert load_expectations(find_expectations("vllm", "0.33.0"))["checks"]["mid-block-hits"]["kind"] == "coverage"
 
 
 def test_the_shipped_expectations_files_parse():
@@ -173,8 +232,17 @@ def test_index_html_is_self_contained(runs):
     assert "http://" not in html and "https://" not in html and "<script" not in html
     # plots in the report directory are embedded
     (runs / "mut" / "hit-rate.png").write_bytes(PNG)
-    page = render([_load(runs / "ref"), _load(runs / "mut")], base=runs / "mut")
+    page = render([_load(runs / "ref"), _load(runs / "mut")], base=runs / "mut", plots=[runs / "mut" / "hit-rate.png"])
     assert "data:image/png;base64," in page and page.count("<tr><th>reference 1.0") == 4  # matrix + coverage
+    from conformance.results.html import write_index
+
+    assert "data:image/png;base64," in write_index(runs / "mut", [_load(runs / "mut")]).read_text()
+
+
+def test_compare_html_embeds_no_foreign_plots(runs, tmp_path, capsys):
+    (tmp_path / "someone-elses.png").write_bytes(PNG)
+    assert cli(["compare", str(runs / "ref"), str(runs / "ref"), "--html", str(tmp_path / "cmp.html")]) == 0
+    assert "data:image/png" not in (tmp_path / "cmp.html").read_text()
 
 
 def _chromium() -> str | None:

@@ -38,6 +38,16 @@ def test_bad_shard_is_a_usage_error(bad, capsys):
     assert "--shard" in capsys.readouterr().err
 
 
+def test_an_empty_shard_is_a_usage_error(tmp_path, capsys):
+    """--shard 4/4 of three checks would run nothing and end green: refused (exit 2), nothing written."""
+    argv = ["run", "--check", CHECKS[0], "--check", CHECKS[1], "--check", CHECKS[2], "--shard", "4/4",
+            "--report-dir", str(tmp_path / "r")]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "this shard holds no check" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
 def _summary(result, exact=True):
     return [(c.id, c.status, c.examples, c.steps) if exact else (c.id, c.failure and c.failure.kind)
             for c in result.checks]
@@ -61,10 +71,13 @@ def test_merging_shards_gives_one_report(tmp_path):
     opts = dict(checks=CHECKS, examples=2, steps=3)
     for i in (1, 2):
         run(RunOptions(**opts, shard=(i, 2), report_dir=tmp_path / f"shard-{i}"))
-    assert merge_main([str(tmp_path / "all"), str(tmp_path / "shard-1"), str(tmp_path / "shard-2")]) in (0, 1)
+    code = merge_main([str(tmp_path / "all"), str(tmp_path / "shard-1"), str(tmp_path / "shard-2")])
     import json
 
     doc = json.loads((tmp_path / "all" / "results.json").read_text())
+    # the exit status is the merged verdict: 0 exactly when every check of every shard passed
+    assert code == (0 if all(c["status"] == "passed" for c in doc["checks"]) else 1)
+    assert doc["summary"]["ok"] is (code == 0)
     assert [c["id"] for c in doc["checks"]] == list(CHECKS)
     assert (tmp_path / "all" / "junit.xml").exists() and (tmp_path / "all" / "index.html").exists()
     # the same shard twice is refused (exit 2), not double counted

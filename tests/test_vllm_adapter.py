@@ -4,7 +4,7 @@ give logits equal to the no-cache reference and a consistent cache view, and
 each vLLM mutant must be caught by a generic sequence.
 
 Runs only where vLLM is installed (``pip install -e .[vllm]``, or the
-``/work/venvs/vllm`` virtualenv described in docs/vllm-adapter.md).
+``.venvs/main`` virtualenv that scripts/test.sh makes, see docs/vllm-adapter.md).
 """
 
 from __future__ import annotations
@@ -430,7 +430,7 @@ def test_configuration_matrix_expands_each_check():
     situations: ids name the options, variants keep their check's index (its
     seed, so its draws), and an option the user set is not varied."""
     from conformance.suite.checks import PROFILES, get_check
-    from conformance.suite.matrix import expand, parse_variant_id
+    from conformance.suite.config_matrix import expand, parse_variant_id
 
     planned = list(enumerate(PROFILES["quick"].checks))
     out = expand(planned, VllmCache, {})
@@ -447,3 +447,92 @@ def test_configuration_matrix_expands_each_check():
     user = expand(planned, VllmCache, {"prefix_match_unit": 1})
     assert [s.id for _, s in user if s.family == "multi-turn"] == [
         "multi-turn-replay", "multi-turn-replay[connector=divergent]"]
+
+
+# -- prefill/decode: two vLLM Schedulers with the NixlConnector's scheduler side -------------------
+def _pd_run(model, oracle, scenario, pairing="2to1", faults=(), factory=None):
+    from conformance.harness.disagg import ops as dops
+    from conformance.harness.disagg.session import DisaggSession
+
+    factory = factory or VllmCache.disagg_factory
+    s = DisaggSession(factory(ImplConfig(options=dops.PAIRINGS[pairing])), model, oracle, "inprocess",
+                      tuple(faults))
+    try:
+        for op in scenario:
+            dops.apply(s, op)
+    finally:
+        s.close()
+    return s
+
+
+@pytest.mark.parametrize("pairing", ["2to1", "1to2"])
+def test_pd_general_scenario_through_two_schedulers(model, oracle, pairing):
+    from conformance.harness.disagg import ops as dops
+
+    s = _pd_run(model, oracle, dops.GENERAL, pairing)
+    c = s.coverage
+    assert c[f"pairing_{pairing}"] > 0 and c["state_shards_transferred"] > 0
+    assert c["mid_block_prompt_ends"] > 0 and c["boundary_prompt_ends"] > 0
+    assert c["transfers_verified"] > 0 and c["recomputes"] > 0  # the killed peer: vLLM recomputes
+    impl = s.impl
+    assert type(impl.prefill.scheduler.connector).__name__.startswith("Nixl")
+    assert impl.stats["failed_recving"] >= 1 and impl.stats["transfers"] >= 3 and impl.stats["expired"] == 0
+    # finished_sending reached the prefill side: nothing held once every request finished
+    assert impl.view()["prefill_used"] == [] and impl.view()["decode_used"] == []
+
+
+@pytest.mark.parametrize("fault", ["drop-descriptor", "truncate-tail", "corrupt-bytes", "reorder-completions",
+                                   "lose-notification", "kill-peer", "dtype-mismatch"])
+def test_pd_survives_transfer_faults(model, oracle, fault):
+    from conformance.harness.disagg import ops as dops
+    from conformance.harness.disagg.faults import FaultSpec
+
+    scenario = (dops.Submit("a", 18), dops.Submit("b", 33, shared=33), dops.Drain(),
+                dops.Submit("c", 40, shared=40), dops.Drain())
+    s = _pd_run(model, oracle, scenario, faults=(FaultSpec(fault, 0),))
+    assert [e.fault for e in s.events] == [fault]
+    if fault == "dtype-mismatch":  # the handshake refuses: every load fails, vLLM recomputes each
+        assert s.impl.refused and s.impl.stats["failed_recving"] == 3 and s.impl.stats["transfers"] == 0
+        return
+    harmless = fault in ("reorder-completions", "lose-notification")  # READ: decode knows its own completion
+    assert (s.impl.stats["failed_recving"] >= 1) != harmless
+    assert s.impl.stats["expired"] == 0
+
+
+def test_pd_mutants_are_registered_for_the_disagg_family():
+    from fault_injection.catalog import all_mutants
+
+    pd = {n: m for n, m in all_mutants().items() if m.target == "vllm-disagg"}
+    assert set(pd) == {"vllm-pd-failed-recv-as-finished", "vllm-pd-last-state-sent"}
+    assert all(m.description for m in pd.values())
+    from conformance.suite.options import RunOptions
+    from conformance.suite.prepare import prepare
+
+    for name in pd:  # --impl vllm --mutant NAME is accepted (and wraps the disaggregated mode)
+        prepare(RunOptions(impl="vllm", mutant=name, checks=("disagg-transfer",)))
+
+
+@pytest.mark.parametrize("name", ["vllm-pd-failed-recv-as-finished", "vllm-pd-last-state-sent"])
+def test_pd_mutant_is_caught_by_the_general_scenario(model, oracle, name):
+    from conformance.harness.disagg import ops as dops
+    from fault_injection.catalog import get_mutant
+
+    factory = get_mutant(name).wrap(VllmCache).disagg_factory
+    with pytest.raises(ConformanceFailure) as e:
+        for pairing in sorted(dops.PAIRINGS):
+            _pd_run(model, oracle, dops.GENERAL, pairing, factory=factory)
+    assert e.value.kind == "logits"
+
+
+def test_pd_disagg_transfer_check_passes_with_full_coverage(tmp_path):
+    """The family as the CLI runs it (``run --impl vllm --check disagg-transfer``), on NIXL
+    when it imports: vLLM's two schedulers reach every situation the check requires."""
+    from conformance.suite.checks import get_check
+    from conformance.suite.run import RunOptions, run
+
+    result = run(RunOptions(impl="vllm", checks=("disagg-transfer",), report_dir=tmp_path))
+    (check,) = result.checks
+    assert check.status == "passed", check.failure
+    for counter in get_check("disagg-transfer").required:
+        assert check.coverage[counter] > 0, counter
+    assert check.coverage["recomputes"] > 0  # a transfer fault fired and vLLM recomputed

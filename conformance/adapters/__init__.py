@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from conformance.contract import ImplFactory, missing_methods
 from conformance.errors import UsageError
@@ -22,10 +24,15 @@ def resolve(spec: str) -> ImplFactory:
     if ":" not in target:
         raise UsageError(f"--impl {spec!r}: expected one of {', '.join(sorted(NAMED))} or module:Class")
     module_name, _, attr = target.partition(":")
+    _import_from_cwd()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UsageError(f"--impl {spec}: cannot import {module_name}: {exc}") from None
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
+            hint = (f" (looked in the current directory {os.getcwd()} and on sys.path: run from the directory "
+                    f"that holds {module_name.split('.')[0]}, or add that directory to PYTHONPATH)")
+        raise UsageError(f"--impl {spec}: cannot import {module_name}: {exc}{hint}") from None
     except Exception as exc:  # noqa: BLE001 - a module that fails on import is a usage problem too
         raise UsageError(f"--impl {spec}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
     factory = module
@@ -40,3 +47,12 @@ def resolve(spec: str) -> ImplFactory:
         if missing:
             raise UsageError(f"--impl {spec}: {attr} does not meet the contract (missing {', '.join(missing)})")
     return factory
+
+
+def _import_from_cwd() -> None:
+    """Make a ``module:Class`` in the current directory importable, as
+    ``python -m`` does: the ``hybrid-conformance`` script and pytest put their
+    own directories first on ``sys.path``, not the user's."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.append(cwd)  # appended: a module in the current directory never shadows an installed one

@@ -47,6 +47,7 @@ def main(args) -> int:
         from conformance.results.html import render
 
         args.html.parent.mkdir(parents=True, exist_ok=True)
+        # The page embeds no plots: the folder it is written to may hold other runs' PNGs.
         atomic_write(args.html, render(rows, base=args.html.parent, title="hybrid-cache-conformance: comparison"))
         print(f"wrote {args.html}")
     return 0 if ok else 1

@@ -5,13 +5,13 @@ length, optimal interval) for a model's sizes and one's own prices."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from conformance.adapters import resolve
 from conformance.errors import UsageError
 from conformance.model import ModelConfig
+from conformance.results.files import strict_json
 
 
 def add_parser(sub) -> None:
@@ -77,7 +77,7 @@ def main(args) -> int:
         r = replayed.result
         stem = f"economics-{r['workload']}-i{'block' if r['interval'] is None else r['interval']}-{r['admission']}"
         args.plot = args.plot or args.report_dir / f"{stem}.png"
-        (args.report_dir / f"{stem}.json").write_text(json.dumps(out, indent=2) + "\n")
+        (args.report_dir / f"{stem}.json").write_text(strict_json(out, indent=2) + "\n")
     if args.plot is not None and replayed is not None:
         from conformance.analysis.economics import plot
 
@@ -86,7 +86,7 @@ def main(args) -> int:
         if why:
             print(f"hybrid-conformance: {why}", file=sys.stderr)
     if args.format == "json":
-        print(json.dumps(out, indent=2))
+        print(strict_json(out, indent=2))
     else:
         from conformance.analysis.cost_model import format_report
         from conformance.analysis.economics import format_text

@@ -5,22 +5,37 @@ seeded, realistic bug in one decision), stopping each mutant's run at its
 first failing check, and writes ``mutants.json``: which check caught which
 mutant, after how many examples and seconds, and how short the minimized
 repro is.  A mutant the suite misses means the suite has a blind spot, so the
-exit status is 0 only when every mutant is detected.
+exit status is 0 only when every mutant is caught by the suite.
+
+Caught by the suite means a general checker failed it (``SUITE_DETECTION``).
+A mutant whose own code raised or hung (``CRASHED_ITSELF``: an assertion of
+the implementation it wraps) caught itself, and a coverage failure says the
+situation never occurred, not that a result was wrong: both are recorded
+(``crashed_itself``, ``not_detections``) and never counted.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
-from conformance.cli.common import add_impl_options, parse_options
+from conformance.cli.common import add_impl_options, parse_options, positive_int
 from conformance.errors import UsageError
+from conformance.results.files import strict_json
 from conformance.suite.run import RunOptions, run
 
-# A failure of these kinds says nothing about the mutant: the situation never
-# occurred (coverage) or the harness itself crashed.
+# What counts as the suite detecting a mutant: a general checker found a wrong
+# result or broken bookkeeping (wrong logits, a broken invariant or retention
+# promise, a plan that breaks the contract, no progress).
+SUITE_DETECTION = ("logits", "invariant", "contract", "stall", "retention", "hit-rate")
+# The mutant's own code raised or hung (an assertion of the implementation it
+# wraps, for example): the implementation caught itself, the suite did not.
+# Recorded apart, and the remaining checks still get their chance.
+CRASHED_ITSELF = ("raised", "timeout")
+# Neither: the situation never occurred (coverage: the mutant may have changed
+# what the generator reaches, which says nothing about a wrong result) or the
+# harness crashed.  Recorded, and the remaining checks still get their chance.
 NOT_DETECTION = ("coverage", "harness")
 
 
@@ -30,8 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--only", default="", help="only these mutants, comma separated")
     p.add_argument("--profile", default="quick", help="quick, standard or nightly (default quick)")
     p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
-    p.add_argument("--examples", type=int, default=None, help="Hypothesis examples per check (overrides profile)")
-    p.add_argument("--steps", type=int, default=None, help="operations per example (overrides profile)")
+    p.add_argument("--examples", type=positive_int, default=None,
+                   help="Hypothesis examples per check (overrides profile)")
+    p.add_argument("--steps", type=positive_int, default=None, help="operations per example (overrides profile)")
     p.set_defaults(func=main)
 
 
@@ -50,19 +66,19 @@ def mutants_for(impl: str) -> list:
         if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
             return []
     # The reference's disaggregated mode has its own mutants, caught by the disagg family.
-    targets = {target, "reference-disagg"} if target == "reference" else {target}
+    targets = {target, f"{target}-disagg"} if target in ("reference", "vllm") else {target}
     return [m for m in MUTANTS.values() if m.target in targets]
 
 
 def planned_checks(mutant, profile: str) -> list[str]:
-    """The profile's checks, in order.  A mutant of the reference's disaggregated
-    mode runs only the checks that execute that mode (the disagg family): the
+    """The profile's checks, in order.  A mutant of a disaggregated mode (the
+    reference's, vLLM's) runs only the checks that execute that mode (the disagg family): the
     single-worker checks never call it, so they cannot catch it and would only
     spend time."""
     from conformance.suite.checks import PROFILES
 
     specs = PROFILES[profile].checks
-    if mutant is not None and mutant.target == "reference-disagg":
+    if mutant is not None and mutant.target.endswith("-disagg"):
         specs = tuple(s for s in specs if s.disagg)
     return [s.id for s in specs]
 
@@ -86,7 +102,8 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
     entry = {"name": mutant.name, "class": mutant.bug_class, "description": mutant.description,
              "detected": False, "check": None, "kind": None, "message": None,
              "examples_to_detection": None, "seconds_to_detection": None, "repro_steps": None, "repro": None,
-             "checks_run": [], "seconds": None, "report_dir": str(report_dir), "not_detections": []}
+             "checks_run": [], "seconds": None, "report_dir": str(report_dir), "not_detections": [],
+             "crashed_itself": []}
     started = time.perf_counter()
     # Detection cost counts every check run before the one that caught it:
     # that is what the suite spent to find the bug.
@@ -103,8 +120,9 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
             entry["checks_run"].append(c.id)
             f = c.failure
             if c.status in ("failed", "error") and f is not None and c.id != "faults-exercised":
-                if f.kind in NOT_DETECTION:
-                    entry["not_detections"].append({"check": c.id, "kind": f.kind, "message": f.message[:300]})
+                if f.kind not in SUITE_DETECTION:
+                    into = "crashed_itself" if f.kind in CRASHED_ITSELF else "not_detections"
+                    entry[into].append({"check": c.id, "kind": f.kind, "message": f.message[:300]})
                     remaining = [spec_id for spec_id in _ids_after(result, i, base)]
                     examples_before += c.examples
                     seconds_before += c.seconds
@@ -136,17 +154,21 @@ def summarize(entries: list[dict]) -> dict:
         if secs else None
     return {"mutants": len(entries), "detected": sum(e["detected"] for e in entries),
             "missed": [e["name"] for e in entries if not e["detected"]],
+            # the mutant's own code raised or hung somewhere (the suite may still have caught it elsewhere)
+            "crashed_itself": [e["name"] for e in entries if e.get("crashed_itself")],
             "median_seconds_to_detection": None if median is None else round(median, 3),
             "max_seconds_to_detection": secs[-1] if secs else None,
             "max_repro_steps": max(steps) if steps else None}
 
 
 def table(entries: list[dict]) -> str:
-    rows = [("mutant", "class", "detected", "check", "kind", "examples", "seconds", "repro ops")]
+    rows = [("mutant", "class", "caught by the suite", "check", "kind", "examples", "seconds", "repro ops",
+             "crashed itself")]
     for e in entries:
+        crashed = ", ".join(f"{c['check']} ({c['kind']})" for c in e.get("crashed_itself", [])) or "-"
         rows.append((e["name"], e["class"], "yes" if e["detected"] else "NO", e["check"] or "-", e["kind"] or "-",
                      str(e["examples_to_detection"] or "-"), str(e["seconds_to_detection"] or "-"),
-                     str(e["repro_steps"] or "-")))
+                     str(e["repro_steps"] or "-"), crashed))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -161,19 +183,24 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, checks=tuple(args.check),
                       timeout=args.timeout, examples=args.examples, steps=args.steps,
-                      impl_options=parse_options(args.option), block_size=args.block_size)
+                      impl_options=parse_options(args.option), block_size=args.block_size,
+                      num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots)
     entries = []
     for i, mutant in enumerate(chosen):
         print(f"[{i + 1}/{len(chosen)}] {mutant.name} ...", file=sys.stderr, flush=True)
         entry = run_mutant(mutant, base, out / mutant.name)
         entries.append(entry)
-        verdict = f"detected by {entry['check']} ({entry['kind']})" if entry["detected"] else "NOT DETECTED"
+        verdict = f"caught by the suite: {entry['check']} ({entry['kind']})" if entry["detected"] else \
+            "NOT CAUGHT BY THE SUITE"
+        for c in entry["crashed_itself"]:
+            verdict += f"; crashed itself in {c['check']} ({c['kind']}: {c['message'][:120]})"
         print(f"    {verdict} in {entry['seconds']:.1f}s", file=sys.stderr, flush=True)
         write(out, args.impl, entries)  # after each mutant: an interrupted run keeps what finished
     doc = write(out, args.impl, entries)
     print(table(entries))
     s = doc["summary"]
-    print(f"{s['detected']}/{s['mutants']} mutants detected; median {s['median_seconds_to_detection']} s, "
+    print(f"{s['detected']}/{s['mutants']} mutants caught by the suite ({len(s['crashed_itself'])} crashed "
+          f"themselves somewhere, not counted); median {s['median_seconds_to_detection']} s, "
           f"max {s['max_seconds_to_detection']} s to detection; longest repro {s['max_repro_steps']} operations; "
           f"{out / 'mutants.json'}", file=sys.stderr)
     return 0 if s["detected"] == s["mutants"] else 1
@@ -182,6 +209,6 @@ def main(args) -> int:
 def write(out: Path, impl: str, entries: list[dict]) -> dict:
     doc = {"implementation": impl, "summary": summarize(entries), "mutants": entries}
     tmp = out / "mutants.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.write_text(strict_json(doc, indent=2, default=str) + "\n")
     tmp.replace(out / "mutants.json")
     return doc

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from conformance.cli.common import positive_float
 from conformance.errors import ReproFormatError, UsageError
 from conformance.results.repro import load
 
@@ -23,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-faults", action="store_true", help="do not inject the file's environment faults")
     p.add_argument("--trust-impl", action="store_true",
                    help="allow importing a module:Class named inside the file (runs that module's code)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds an implementation call may take")
+    p.add_argument("--timeout", type=positive_float, default=30.0, help="seconds an implementation call may take")
     p.add_argument("--quiet", action="store_true", help="print one line only")
     p.set_defaults(func=main)
 

@@ -2,21 +2,50 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from conformance.errors import UsageError
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
+    return value
+
+
 def add_impl_options(p) -> None:
     p.add_argument("--impl", default="reference", help="reference, vllm or module:Class (default: reference)")
     p.add_argument("--seed", type=int, default=0, help="one seed reproduces the whole run (default 0)")
     p.add_argument("--report-dir", type=Path, default=None, help="where to write reports (default reports/<run-id>/)")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds an implementation call may take (default 30)")
+    p.add_argument("--timeout", type=positive_float, default=30.0,
+                   help="seconds an implementation call may take (default 30)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="implementation option, e.g. interval=8 (JSON values; repeatable)")
-    p.add_argument("--block-size", type=int, default=None, help="override the checks' block size")
+    p.add_argument("--block-size", type=positive_int, default=None, help="override the checks' block size")
+    p.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="override the checks' KV pool size (ImplConfig.num_kv_blocks; at least 2)")
+    p.add_argument("--state-slots", type=int, default=None, metavar="N",
+                   help="override the checks' state-slot pool size (ImplConfig.num_state_slots; at least 2)")
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -49,8 +78,12 @@ class Progress:
             cov = ", ".join(f"{k}={v}" for k, v in r.coverage.items() if v)
             self._line(f"    {r.id}: {r.status.upper()} ({r.examples} examples, {r.steps} operations, "
                        f"{r.seconds:.1f}s) {cov}")
+            for note in r.notes:
+                self._line(f"      note: {note}")
             if r.metrics.get("transport"):  # the disagg family says which transport carried the bytes
                 self._line(f"      transport: {r.metrics['transport']} ({r.metrics.get('transport_why', '')})")
+            if r.status == "skipped":
+                self._line(f"      skipped: {r.reason or 'no reason given'}")
             if r.failure is not None:
                 self._line(f"      {r.failure.kind}: {r.failure.message[:300]}")
                 if r.failure.repro:
@@ -60,3 +93,18 @@ class Progress:
         if self.tty:
             text = "\x1b[2K" + text
         print(text, end=end, file=self.stream, flush=True)
+
+
+def summary_lines(result) -> list[str]:
+    """The end-of-run summary: counts (skipped included), each skipped check
+    with its reason, and a loud line when nothing was checked."""
+    summary = result.to_dict()["summary"]
+    perf = (f" ({summary['hit_rate_failures']} of them hit-rate: reuse below the declared policy, logits right)"
+            if summary.get("hit_rate_failures") else "")
+    lines = [f"{result.implementation} {result.implementation_version}: {summary['passed']} passed, "
+             f"{summary['failed']} failed{perf}, {summary['error']} errors, {summary['skipped']} skipped; reports in "
+             f"{result.metrics.get('report_dir')}"]
+    lines += [f"  skipped {c.id}: {c.reason or 'no reason given'}" for c in result.checks if c.status == "skipped"]
+    if not result.checked and not result.interrupted:
+        lines.append("nothing was checked: every check was skipped (or none ran); this run proves nothing (exit 1)")
+    return lines

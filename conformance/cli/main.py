@@ -11,7 +11,7 @@ import sys
 
 from conformance.errors import UsageError
 
-COMMANDS = ("run", "mutants", "replay", "compare", "economics")
+COMMANDS = ("run", "mutants", "replay", "compare", "matrix", "economics")
 
 
 class _Parser(argparse.ArgumentParser):

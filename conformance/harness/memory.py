@@ -38,6 +38,12 @@ class Memory:
         # conv_prov / ssm_prov[slot] = the prefix whose state that part holds
         self.conv_prov: list[Prefix | None] = [None] * layout.num_state_slots
         self.ssm_prov: list[Prefix | None] = [None] * layout.num_state_slots
+        # Where the current bytes came from: the id of the load that landed them
+        # (copies carry it along), or None (computed, zeroed, never written).  How
+        # coverage tells a hit served by the second tier from any hit, and a fault's
+        # corrupted load that a step read from one that was never used.
+        self.kv_origin: list[int | None] = [None] * layout.num_kv_blocks
+        self.state_origin: list[int | None] = [None] * layout.num_state_slots
 
     # -- validation ----------------------------------------------------------------
     def check_block(self, block: int) -> None:
@@ -54,6 +60,7 @@ class Memory:
         self.check_block(dst)
         self.kv[:, dst] = self.kv[:, src]
         self.kv_prov[dst] = list(self.kv_prov[src])
+        self.kv_origin[dst] = self.kv_origin[src]
 
     def read_kv(self, block_table: tuple[int, ...], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K and V of positions [0, n) per attention layer, gathered through the table."""
@@ -79,6 +86,27 @@ class Memory:
                 self.kv[layer, b, off, 0] = k[pos - start]
                 self.kv[layer, b, off, 1] = v[pos - start]
             self.kv_prov[b][off] = tokens[: pos + 1]
+            if off == 0:  # a block computed from its start holds no loaded bytes
+                self.kv_origin[b] = None
+
+    def mark_kv(self, block_table: tuple[int, ...], start: int, end: int, tokens: Prefix) -> None:
+        """Provenance of a write without the bytes (the pool probe measures
+        capacity, not logits: its steps are not computed, and it ends the session)."""
+        B = self.layout.block_size
+        if len(block_table) < -(-end // B):
+            raise ContractError(f"block table has {len(block_table)} blocks, {-(-end // B)} needed for {end} tokens")
+        for pos in range(start, end):
+            b, off = block_table[pos // B], pos % B
+            self.check_block(b)
+            self.kv_prov[b][off] = tokens[: pos + 1]
+            if off == 0:
+                self.kv_origin[b] = None
+
+    def mark_state(self, slot: int, prefix: Prefix) -> None:
+        """Provenance of a state write without the bytes (see :meth:`mark_kv`)."""
+        self.check_slot(slot)
+        self.conv_prov[slot] = self.ssm_prov[slot] = prefix
+        self.state_origin[slot] = None
 
     # -- recurrent states ----------------------------------------------------------
     def read_state(self, slot: int) -> list[RecState]:
@@ -92,12 +120,14 @@ class Memory:
             self.conv[i, slot] = s.conv
             self.ssm[i, slot] = s.ssm
         self.conv_prov[slot] = self.ssm_prov[slot] = prefix
+        self.state_origin[slot] = None
 
     def zero_state(self, slot: int) -> None:
         self.check_slot(slot)
         self.conv[:, slot] = 0
         self.ssm[:, slot] = 0
         self.conv_prov[slot] = self.ssm_prov[slot] = ()
+        self.state_origin[slot] = None
 
     def copy_state(self, src: int, dst: int, conv: bool = True, ssm: bool = True) -> None:
         self.check_slot(src)
@@ -108,6 +138,8 @@ class Memory:
         if ssm:
             self.ssm[:, dst] = self.ssm[:, src]
             self.ssm_prov[dst] = self.ssm_prov[src]
+        if conv or ssm:
+            self.state_origin[dst] = self.state_origin[src]
 
     # -- provenance queries (for the checker's explanations) -------------------------
     def kv_holds(self, block_table: tuple[int, ...], tokens: Prefix, start: int, end: int) -> int | None:
@@ -118,6 +150,13 @@ class Memory:
             if b is None or not 0 <= b < self.layout.num_kv_blocks or self.kv_prov[b][pos % B] != tokens[: pos + 1]:
                 return pos
         return None
+
+    def loads_read(self, block_table: tuple[int, ...], n: int, slot: int) -> frozenset[int]:
+        """Ids of the loads whose bytes a step reading KV [0, n) and ``slot`` reads."""
+        B = self.layout.block_size
+        ids = {self.kv_origin[b] for b in block_table[: -(-n // B)]} | {self.state_origin[slot]} if n else set()
+        ids.discard(None)
+        return frozenset(i for i in ids if i is not None)
 
     def state_holds(self, slot: int) -> tuple[Prefix | None, Prefix | None]:
         return self.conv_prov[slot], self.ssm_prov[slot]

@@ -41,8 +41,22 @@ class Abort:
     request_id: str
 
 
-Op = Submit | Step | Drain | Abort
-OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort}
+@dataclass(frozen=True)
+class Probe:
+    """The pool probe (a black-box lifetime check, see
+    :meth:`conformance.harness.session.Session.probe`): finish what is
+    active, then at idle submit ``concurrent`` short requests together (a
+    fresh instance schedules ``expect`` of them in its first step) and then
+    one ``kv_tokens``-token request (a fresh instance serves it).  Its prompts
+    are fixed by these numbers (:func:`conformance.harness.probe.probe_prompts`)."""
+
+    kv_tokens: int
+    concurrent: int = 0
+    expect: int = 0
+
+
+Op = Submit | Step | Drain | Abort | Probe
+OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort, "probe": Probe}
 # The disaggregated family's operations (applied to a DisaggSession, not a Session).
 from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
 
@@ -81,6 +95,9 @@ def op_from_dict(d: dict) -> Op:
     for key in ("budget", "max_new_tokens"):
         if key in kwargs and (not isinstance(kwargs[key], int) or kwargs[key] < 1):
             raise ValueError(f"{name}.{key}: must be a positive integer")
+    for key in ("kv_tokens", "concurrent", "expect"):
+        if key in kwargs and (not isinstance(kwargs[key], int) or kwargs[key] < 0):
+            raise ValueError(f"{name}.{key}: must be a non-negative integer")
     for key in ("request_id",):
         if key in kwargs and not isinstance(kwargs[key], str):
             raise ValueError(f"{name}.{key}: must be a string")

@@ -18,8 +18,9 @@ from conformance.model import TinyHybrid
 @dataclass
 class Executed:
     step: RequestStep
-    logits: torch.Tensor  # [end - start, vocab]
+    logits: torch.Tensor | None  # [end - start, vocab]; None: not computed (a dry step of the pool probe)
     reads: str  # provenance of what was read, for explanations
+    loads_read: frozenset[int] = frozenset()  # ids of the tier loads whose bytes the step read
 
 
 def _describe(prefix: Prefix | None, wanted: Prefix) -> str:
@@ -38,6 +39,9 @@ class Runner:
         self.memory = memory
         self.transport = Transport(memory)  # the host tier; faults interpose on it
         self.completed: list[TransferDone] = []  # this step's transfer completions, for update()
+        # Dry steps (the pool probe): plans are validated and executed on provenance
+        # only, the model is not run and nothing is judged; the session ends after.
+        self.dry = False
 
     def run_transfers(self, plan: StepPlan) -> list[TransferDone]:
         self.completed = self.transport.run(tuple(plan.transfers))
@@ -79,12 +83,24 @@ class Runner:
         bad_kv = mem.kv_holds(rs.block_table, seq, 0, rs.start)
         reads = (f"state slot {rs.state_slot}: conv {_describe(conv_p, wanted)}, matrix {_describe(ssm_p, wanted)}; "
                  f"KV [0, {rs.start}): " + ("ok" if bad_kv is None else f"wrong from position {bad_kv}"))
+        if self.dry:  # validated as a read would be, then provenance only
+            for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
+                mem.check_block(b)
+            loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
+            self.transport.computed(rs.request_id, loaded)
+            mem.mark_kv(rs.block_table, rs.start, rs.end, seq)
+            mem.mark_state(rs.state_slot, seq[: rs.end])
+            for pos, slot in rs.snapshots:
+                mem.mark_state(slot, seq[:pos])
+            return Executed(rs, None, reads, loaded)
         past = mem.read_kv(rs.block_table, rs.start)
         states = mem.read_state(rs.state_slot)
+        loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
+        self.transport.computed(rs.request_id, loaded)
         res = self.model.step(seq[rs.start: rs.end], rs.start, past, states,
                               capture=tuple(p for p, _ in rs.snapshots))
         mem.write_kv(rs.block_table, rs.start, res.new_kv, seq)
         mem.write_state(rs.state_slot, res.states, seq[: rs.end])
         for pos, slot in rs.snapshots:
             mem.write_state(slot, res.captured[pos], seq[:pos])
-        return Executed(rs, res.logits, reads)
+        return Executed(rs, res.logits, reads, loaded)

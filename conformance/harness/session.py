@@ -31,8 +31,9 @@ from conformance.harness.checker import Checker, CheckerSet, StepRecord
 from conformance.harness.guard import guarded
 from conformance.harness.history import History
 from conformance.harness.memory import Memory
-from conformance.harness.ops import Abort, Drain, Op, Step, Submit
+from conformance.harness.ops import Abort, Drain, Op, Probe, Step, Submit
 from conformance.harness.oracle import Oracle
+from conformance.harness.probe import SHORT_LEN, probe_prompts
 from conformance.harness.runner import Runner
 from conformance.model import TinyHybrid
 
@@ -65,6 +66,9 @@ class Session:
     # Coverage counters: the checkers count them (conformance.judge.coverage);
     # checks require some of them to be > 0.
     coverage: dict[str, int] = field(default_factory=dict)
+    # What the checkers could not check for this implementation (reduced
+    # assurance, e.g. no refcounts stated): reported with the result, never silent.
+    notes: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         missing = missing_methods(self.impl)
@@ -81,6 +85,10 @@ class Session:
         self._stalled = 0  # consecutive steps that scheduled nothing
         self.last_view: CacheView | None = None  # the view after the latest step or abort
         self.plan_view: CacheView | None = None  # the view taken right after the latest schedule()
+        self.last_plan: StepPlan | None = None  # the plan of the latest schedule()
+        self.probing = False  # while the pool probe runs (coverage does not count its requests)
+        self._probes = 0
+        self.ended = False  # after the pool probe (see _probe)
         self.checkers.notify("attached", self)
 
     def add_checker(self, checker: Checker) -> None:
@@ -89,6 +97,8 @@ class Session:
 
     # -- operations ------------------------------------------------------------------
     def apply(self, op: Op) -> None:
+        if self.ended:
+            raise ValueError("the pool probe ends a session: no operation may follow it")
         self.history.begin(op)
         if isinstance(op, Submit):
             self._submit(op)
@@ -98,6 +108,8 @@ class Session:
             self._drain(op.budget)
         elif isinstance(op, Abort):
             self._abort(op.request_id)
+        elif isinstance(op, Probe):
+            self._probe(op)
         else:
             raise TypeError(f"unknown operation {op!r}")
 
@@ -136,6 +148,62 @@ class Session:
             self._step(budget)
         raise ConformanceFailure("stall", f"requests {self.active()} still active after {MAX_DRAIN_STEPS} steps")
 
+    def _probe(self, op: Probe) -> None:
+        """The pool probe, a black-box lifetime check that believes nothing the
+        implementation says about itself: finish what is active; then, at idle,
+        ``op.concurrent`` short requests submitted together must be scheduled in
+        one step at least ``op.expect`` at a time, and one ``op.kv_tokens``-token
+        request must be served, as a fresh instance of the implementation does
+        (the numbers are measured on one, :mod:`conformance.generate.probe`).
+        Its steps are dry (the model is not run, nothing of memory's bytes
+        changes, only provenance): it ends the session.
+        A KV block or state slot held by nothing (leaked) makes that
+        impossible: an ``invariant`` failure whose message starts "lifetime:".
+        The concurrent part is inconclusive when a probe request reuses a
+        cached prefix (a hit may pin what it reuses)."""
+        self._drain(1024)
+        self.probing = self.runner.dry = True  # capacity, not logits: the steps are not computed
+        self._probes += 1
+        lay = self.layout
+        short, long = probe_prompts(self.model.config.vocab_size, op.kv_tokens, op.concurrent)
+        leaked = "KV blocks or state slots are held by nothing (leaked)"
+        try:
+            ids = [f"probe{self._probes}-c{i}" for i in range(len(short))]
+            for rid, prompt in zip(ids, short, strict=True):
+                self._submit(Submit(rid, prompt, 1))
+            if ids:
+                self.last_plan = None
+                self._step(SHORT_LEN * len(ids))
+                plan = self.last_plan or StepPlan()
+                ran = [rs for rs in plan.requests if rs.request_id in ids]
+                # Inconclusive when a probe request reuses a cached prefix or waits
+                # for a load: a correct cache may then pin more, or admit later.
+                reused = any(rs.start > 0 for rs in ran) or any(t.direction == "load" for t in plan.transfers)
+                if len(ran) < op.expect and not reused:
+                    raise ConformanceFailure("invariant", f"lifetime: at idle, {len(ran)} of {len(ids)} "
+                                                          f"{SHORT_LEN}-token requests submitted together were "
+                                                          f"scheduled in one step; a fresh instance schedules "
+                                                          f"{op.expect}: {leaked}")
+                self._probe_drain(f"{len(ids)} {SHORT_LEN}-token requests", leaked)
+            if op.kv_tokens:
+                self._submit(Submit(f"probe{self._probes}-kv", long, 1))
+                need = -(-op.kv_tokens // lay.block_size)
+                self._probe_drain(f"a {op.kv_tokens}-token request ({need} of the {lay.num_kv_blocks} KV blocks), "
+                                  f"which a fresh instance serves,", leaked)
+        finally:
+            self.probing = False
+            self.ended = True  # the runner stays dry: memory's bytes no longer match its provenance
+
+    def _probe_drain(self, what: str, why: str) -> None:
+        try:
+            self._drain(max(1024, SHORT_LEN * len(self.active())))
+        except ConformanceFailure as exc:
+            if exc.kind != "stall":
+                raise
+            raise ConformanceFailure("invariant", f"lifetime: at idle, {what} could not be served "
+                                                  f"({exc}): "
+                                                  f"{why}") from None
+
     # -- one engine step --------------------------------------------------------------
     def _step(self, budget: int) -> None:
         if not self.active():
@@ -145,6 +213,7 @@ class Session:
         if not isinstance(plan, StepPlan):
             raise ConformanceFailure("contract", f"schedule() returned {type(plan).__name__}, not StepPlan")
         self.step_no += 1
+        self.last_plan = plan
         self.history.plan(plan)
         if not plan.requests:
             self._without_requests(plan)

@@ -110,6 +110,25 @@ class TransportHooks:
 
 
 @dataclass
+class Firing:
+    """One fault firing whose effect has not been consumed yet.  It is
+    consumed (once) when what it did reaches the implementation or a step:
+    the bytes of the load it hit are read by a computed step; the request the
+    load was for is computed (it used the bytes, or rejected them and
+    recomputed); an offload it made fail is reported failed; an offload whose
+    stored bytes it changed is loaded and that load is consumed.  A firing
+    on an offload that is never read back is never consumed."""
+
+    on_consumed: object  # zero-argument callable (the fault counts it)
+    done: bool = False
+
+    def consume(self) -> None:
+        if not self.done:
+            self.done = True
+            self.on_consumed()  # type: ignore[operator]
+
+
+@dataclass
 class Transport:
     memory: Memory
     store: HostStore = field(default_factory=HostStore)
@@ -119,6 +138,13 @@ class Transport:
     executed: int = 0
     succeeded: dict = field(default_factory=lambda: {"offload": 0, "load": 0})  # completions reporting ok
     loaded_states: set = field(default_factory=set)  # prefixes of the states loads brought to the device
+    # Fault firings awaiting consumption (see Firing): by the transfer they fired on
+    # (until it completes), by host key (an offload's stored bytes, until loaded),
+    # by load id (its landed bytes, until read) and by request (until computed).
+    _pending: dict = field(default_factory=dict)
+    _by_key: dict = field(default_factory=dict)
+    _by_load: dict = field(default_factory=dict)
+    _by_request: dict = field(default_factory=dict)
 
     def busy(self) -> bool:
         """Transfers issued but not completed yet."""
@@ -135,9 +161,10 @@ class Transport:
             loads, later = hook.schedule(self, loads)
             self.deferred += later
         done = [self._execute(t) for t in offloads + due + loads]
-        directions = {t.id: t.direction for t in offloads + due + loads}
+        by_id = {t.id: t for t in offloads + due + loads}
         for d in done:
-            self.succeeded[directions[d.id]] += d.ok
+            self.succeeded[by_id[d.id].direction] += d.ok
+            self._follow(by_id[d.id], d)
         for hook in self.hooks:
             done = hook.order(done)
         return done
@@ -161,6 +188,8 @@ class Transport:
             if found is None:
                 return TransferDone(t.id, False, error=f"no host entry {t.key!r}")
             self.write(t.kind, t.device, self._fly(t, found.payload.clone()))
+            origin = self.memory.kv_origin if t.kind == "kv" else self.memory.state_origin
+            origin[t.device] = t.id
             landed = self.read(t.kind, t.device)
             done = TransferDone(t.id, True, checksum(landed.tensors))
             if t.kind == "state" and done.checksum == found.checksum:  # arrived whole and intact
@@ -169,15 +198,42 @@ class Transport:
         except TransferFailed as exc:
             return TransferDone(t.id, False, error=str(exc) or "transfer failed")
 
+    def _follow(self, t: Transfer, d: TransferDone) -> None:
+        """Where the firings on ``t`` (and on the offload a load reads back) go to be consumed."""
+        firings = self._pending.pop(t.id, [])
+        if t.direction == "offload":
+            if not d.ok:
+                for f in firings:  # the failure is reported to update() this very step
+                    f.consume()
+            else:
+                self._by_key[t.key] = firings  # a later offload of the key replaces the bytes
+            return
+        firings += self._by_key.pop(t.key, []) if d.ok else []
+        if d.ok:
+            self._by_load[t.id] = firings
+        self._by_request.setdefault(t.request_id, []).extend(firings)
+
+    def computed(self, request_id: str, loads_read: frozenset[int]) -> None:
+        """A step of ``request_id`` ran, reading the bytes of ``loads_read``."""
+        for load in loads_read:
+            for f in self._by_load.pop(load, []):
+                f.consume()
+        for key in (request_id, None):  # a load for no named request: the next step consumes it
+            for f in self._by_request.pop(key, []):
+                f.consume()
+
     def _fly(self, t: Transfer, payload: Payload) -> Payload:
         for hook in self.hooks:
             payload = hook.in_flight(self, t, payload)
         return payload
 
-    def fired(self, fault: str, transfer: Transfer, what: str) -> None:
-        """A fault fired on ``transfer``: an event of the history."""
+    def fired(self, fault: str, transfer: Transfer, what: str, on_consumed=None) -> None:
+        """A fault fired on ``transfer``: an event of the history.  ``on_consumed``
+        is called once the firing's effect is consumed (see :class:`Firing`)."""
         if self.history is not None:
             self.history.fault(fault, transfer, what)
+        if on_consumed is not None and transfer is not None:
+            self._pending.setdefault(transfer.id, []).append(Firing(on_consumed))
 
     # -- device side -------------------------------------------------------------------
     def read(self, kind: str, device: int) -> Payload:

@@ -2,7 +2,18 @@
 of them to end above zero (a check whose situation never occurred proves
 nothing).  Counted from what the session records, never from what the
 implementation says about itself, except evictions, which are what its view
-stopped listing (memory proved the view honest)."""
+stopped listing (memory proved the view honest).  The pool probe's requests
+(``session.probing``) are not counted: they are the harness's, not the check's.
+
+Counters whose names promise an order or a cause count exactly that:
+
+- ``hits_after_eviction``: a prefix hit (a new request's first step starts
+  past 0) in a session whose cache had already evicted an entry before that
+  step -- reuse that survived pressure, not a hit and an eviction anywhere;
+- ``tier_hits``: a prefix hit whose step read bytes a tier load landed (a
+  KV block or the state slot of the hit, by the load's id in memory, copies
+  included) -- a hit served by the second tier, not any load and any hit.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +22,8 @@ from conformance.harness.checker import Checker
 # Counters every run reports; checkers of other concerns add their own.
 COUNTERS = ("steps", "requests", "prefix_hits", "mid_block_hits", "snapshot_reuse", "multi_turn_hits",
             "chunked_prefills", "mid_block_chunk_ends", "evictions", "decode_steps", "aborts",
-            "tier_offloads", "tier_loads")  # transfers to and from the host tier that completed ok
+            "tier_offloads", "tier_loads",  # transfers to and from the host tier that completed ok
+            "hits_after_eviction", "tier_hits")
 
 
 class CoverageCounter(Checker):
@@ -28,12 +40,15 @@ class CoverageCounter(Checker):
         session.coverage[key] = session.coverage.get(key, 0) + n
 
     def submitted(self, session, request):
-        self._count(session, "requests")
+        if not session.probing:  # the pool probe's requests are not the situations a check asks for
+            self._count(session, "requests")
 
     def aborted(self, session, request_id):
         self._count(session, "aborts")
 
     def scheduled(self, session, plan, view):
+        if session.probing:
+            return
         session.coverage["steps"] = session.step_no
         B = session.layout.block_size
         for rs in plan.requests:
@@ -44,6 +59,7 @@ class CoverageCounter(Checker):
                 self._count(session, "mid_block_hits", rs.start % B != 0)
                 if track.continues is not None:
                     self._count(session, "multi_turn_hits")
+                self._count(session, "hits_after_eviction", session.coverage.get("evictions", 0) > 0)
             if rs.state_init.kind == "copy" and rs.start > 0 and first:
                 self._count(session, "snapshot_reuse")
             if rs.end < track.prompt_len:
@@ -52,10 +68,16 @@ class CoverageCounter(Checker):
             if rs.start >= track.prompt_len:
                 self._count(session, "decode_steps")
 
+    def computed(self, session, executed):
+        rs = executed.step
+        if not session.probing and session.tracks[rs.request_id].computed is None and rs.start > 0:
+            self._count(session, "tier_hits", bool(executed.loads_read))
+
     def settled(self, session, view, idle):
         done = session.runner.transport.succeeded
         session.coverage["tier_offloads"], session.coverage["tier_loads"] = done["offload"], done["load"]
         cached = ({("kv", e.block, e.tokens) for e in view.cached_kv}
                   | {("s", e.slot, e.tokens) for e in view.cached_states})
-        self._count(session, "evictions", len(self._cached_before - cached))
+        if not session.probing:  # the probe evicts whatever it needs: not the check's pressure
+            self._count(session, "evictions", len(self._cached_before - cached))
         self._cached_before = cached

@@ -8,9 +8,19 @@ from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
 from conformance.harness.memory import Memory
 
+# What a stated refcount means (contract.CacheView): the number of holders
+# other than the cache itself -- requests, and copies or transfers of a step
+# not yet run.  An entry that is only cached (reusable, evictable) sits at 0
+# like a free one; so at idle (no request active, no transfer in flight) every
+# refcount is 0, and one above 0 is held by nothing that can let it go.
+NO_KV_REFCOUNTS = ("the implementation states no KV refcounts: 'blocks in use are held' was not checked, and "
+                   "leaks are judged by the pool probe alone")
+NO_STATE_REFCOUNTS = "the implementation states no state-slot refcounts: slot leaks are judged by the pool probe alone"
+
 
 def check_view(view: CacheView, memory: Memory, idle: bool) -> list[str]:
-    """Violations, as sentences.  ``idle``: no request is active."""
+    """Violations, as sentences.  ``idle``: no request is active and no
+    transfer is in flight (see the refcount rule above)."""
     problems = []
     lay = memory.layout
     B = lay.block_size
@@ -22,7 +32,8 @@ def check_view(view: CacheView, memory: Memory, idle: bool) -> list[str]:
             if n < 0:
                 problems.append(f"{name} {ident} has refcount {n}")
             if idle and n > 0:
-                problems.append(f"{name} {ident} leaked: refcount {n} with no request active")
+                problems.append(f"{name} {ident} leaked: refcount {n} at idle (a refcount counts requests and "
+                                f"pending copies or transfers, never the cache's own retention)")
     for entry in view.cached_kv:
         first = (len(entry.tokens) - 1) // B * B
         for pos in range(first, len(entry.tokens)):
@@ -44,7 +55,8 @@ def check_view(view: CacheView, memory: Memory, idle: bool) -> list[str]:
 
 
 def check_tables_referenced(view: CacheView, plan: StepPlan, block_size: int) -> list[str]:
-    """Every block a scheduled request reads or writes must be held (refcount >= 1)."""
+    """Every block a scheduled request reads or writes must be held (refcount >= 1).
+    With no KV refcounts stated there is nothing to check (the caller notes it)."""
     if not view.kv_refcounts:
         return []
     problems = []
@@ -53,6 +65,27 @@ def check_tables_referenced(view: CacheView, plan: StepPlan, block_size: int) ->
             if view.kv_refcounts.get(b, 0) < 1:
                 problems.append(f"request {rs.request_id} uses KV block {b}, which has refcount "
                                 f"{view.kv_refcounts.get(b, 0)} (free or evictable while in use)")
+    return problems
+
+
+def check_holders_counted(view: CacheView, plan: StepPlan, block_size: int) -> list[str]:
+    """A refcount counts its holders: a KV block in the tables of k requests
+    scheduled together has refcount >= k.  Counted once for two holders, the
+    first to let go frees it (or queues it for eviction) while the other still
+    reads it, and the next allocation overwrites it."""
+    if not view.kv_refcounts:
+        return []
+    holders: dict[int, list[str]] = {}
+    for rs in plan.requests:
+        for b in dict.fromkeys(rs.block_table[: -(-rs.end // block_size)]):
+            holders.setdefault(b, []).append(rs.request_id)
+    problems = []
+    for b, reqs in holders.items():
+        n = view.kv_refcounts.get(b, 0)
+        if 1 <= n < len(reqs):  # 0 is check_tables_referenced's finding
+            problems.append(f"KV block {b} is in the tables of {len(reqs)} scheduled requests "
+                            f"({', '.join(reqs[:4])}) but has refcount {n}: when a holder lets go it is freed "
+                            f"while the others still use it")
     return problems
 
 
@@ -80,8 +113,12 @@ class TablesReferenced(Checker):
     name = "tables-referenced"
 
     def scheduled(self, session, plan, view):
-        if view is not None:
-            fail_if("invariant", check_tables_referenced(view, plan, session.layout.block_size))
+        if view is None:
+            return
+        if plan.requests and not view.kv_refcounts:
+            session.notes.add(NO_KV_REFCOUNTS)  # reduced assurance, reported with the result
+        fail_if("invariant", check_tables_referenced(view, plan, session.layout.block_size))
+        fail_if("invariant", check_holders_counted(view, plan, session.layout.block_size))
 
 
 class ViewMatchesMemory(Checker):
@@ -91,4 +128,6 @@ class ViewMatchesMemory(Checker):
     name = "view-matches-memory"
 
     def settled(self, session, view, idle):
+        if not view.state_refcounts:
+            session.notes.add(NO_STATE_REFCOUNTS)
         fail_if("invariant", check_view(view, session.memory, idle=idle))

@@ -46,6 +46,8 @@ class CacheMetrics(Checker):
         self.window = LookupWindow()
 
     def stepped(self, session, record) -> None:
+        if session.probing:  # the pool probe's cold requests are not the workload's
+            return
         plan, view_before = record.plan, record.view_before
         c = self.counts
         c["steps"] += 1

@@ -15,8 +15,10 @@ import os
 from pathlib import Path
 
 from conformance.results.files import atomic_write
+from conformance.results.matrix import families as families_of
+from conformance.results.matrix import family_cell, run_label
 
-_ORDER = {"error": 0, "failed": 1, "passed": 2, "skipped": 3, None: 4}
+# A family with a skipped check is not green: what was skipped was not checked.
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1d2430;background:#fff}
@@ -39,31 +41,12 @@ img{max-width:100%;border:1px solid #e1e6ed;margin:6px 0}
 """
 
 
-def run_label(r: dict) -> str:
-    label = f"{r.get('implementation', '?')} {r.get('implementation_version', '')}".strip()
-    if r.get("mutant"):
-        label += f" + {r['mutant']}"
-    if r.get("fault_names"):
-        label += f" + faults {','.join(r['fault_names'])}"
-    return label
-
-
-def _families(results: list[dict]) -> list[str]:
-    seen: list[str] = []
-    for r in results:
-        for c in r.get("checks", []):
-            if c.get("family") not in seen:
-                seen.append(c.get("family"))
-    return seen
-
-
-def _cell(checks: list[dict]) -> tuple[str, str]:
-    """Worst status of a family's checks (one failing check fails the family)."""
-    if not checks:
-        return "none", "not run"
-    worst = min((c["status"] for c in checks), key=lambda s: _ORDER.get(s, 4))
-    title = "; ".join(f"{c['id']}: {c['status']}" for c in checks)
-    return worst, title
+def replay_command(repro: str, impl_spec: str | None) -> str:
+    """The command that replays a repro file.  A ``module:Class`` named by the
+    file is never imported from it (replay trusts only the command line), so
+    the command carries ``--impl`` for such a run."""
+    impl = f" --impl {impl_spec}" if impl_spec and ":" in impl_spec else ""
+    return f"hybrid-conformance replay {repro}{impl}"
 
 
 def _rel(path: str, base: Path | None) -> str:
@@ -75,68 +58,102 @@ def _rel(path: str, base: Path | None) -> str:
         return path
 
 
-def render(results: list[dict], base: Path | None = None, title: str = "hybrid-cache-conformance") -> str:
-    e = html.escape
-    families = _families(results)
+_e = html.escape
+
+
+def render(results: list[dict], base: Path | None = None, title: str = "hybrid-cache-conformance",
+           plots: list[Path] | tuple[Path, ...] = ()) -> str:
+    """``base``: where relative links start; ``plots``: the PNG files to embed
+    (a run's own plots: a comparison written next to other files embeds none
+    of theirs)."""
+    e = _e
     out = ["<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
            f"<title>{e(title)}</title><style>{_CSS}</style></head><body>",
            f"<h1>{e(title)}</h1>",
            f"<div class='meta'>{len(results)} run{'s' if len(results) != 1 else ''}; generated "
            f"{_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}</div>"]
+    out += _matrix(results)
+    out += _coverage(results)
+    out += _checks(results)
+    out += _failures(results, base)
+    out += _faults_and_plots(results, plots)
+    out.append("</body></html>\n")
+    return "".join(out)
 
-    # -- the matrix: one row per run, one column per family ----------------------------
-    out.append("<h2>Matrix</h2><table id='matrix'><thead><tr><th>implementation</th>")
+
+def _matrix(results: list[dict]) -> list[str]:
+    """One row per run, one column per family."""
+    e = _e
+    families = families_of(results)
+    out = ["<h2>Matrix</h2><table id='matrix'><thead><tr><th>implementation</th>"]
     out += [f"<th>{e(str(f))}</th>" for f in families]
-    out.append("<th>passed</th><th>failed</th><th>errors</th><th>run</th></tr></thead><tbody>")
+    out.append("<th>passed</th><th>failed</th><th>errors</th><th>skipped</th><th>run</th></tr></thead><tbody>")
     for r in results:
         s = r.get("summary") or {}
         state = "interrupted" if r.get("interrupted") else ("running" if not r.get("finished") else "complete")
-        badge = {"complete": "ok", "interrupted": "warn", "running": "warn"}[state]
+        if state == "complete" and not any(c.get("status") != "skipped" for c in r.get("checks", [])):
+            state = "nothing was checked"
+        badge = {"complete": "ok", "interrupted": "warn", "running": "warn", "nothing was checked": "bad"}[state]
         out.append(f"<tr><th>{e(run_label(r))}</th>")
         for f in families:
-            status, tip = _cell([c for c in r.get("checks", []) if c.get("family") == f])
+            status, tip = family_cell([c for c in r.get("checks", []) if c.get("family") == f])
             out.append(f"<td class='{status}' title='{e(tip)}'>{e(status)}</td>")
         out.append(f"<td class='num'>{s.get('passed', 0)}</td><td class='num'>{s.get('failed', 0)}</td>"
-                   f"<td class='num'>{s.get('error', 0)}</td>"
+                   f"<td class='num'>{s.get('error', 0)}</td><td class='num'>{s.get('skipped', 0)}</td>"
                    f"<td><span class='badge {badge}'>{state}</span> seed {e(str(r.get('seed', '')))}, "
                    f"{e(str(r.get('profile', '')))}</td></tr>")
     out.append("</tbody></table>")
+    return out
 
-    # -- coverage: how often each situation occurred ------------------------------------
+
+def _coverage(results: list[dict]) -> list[str]:
+    """How often each situation occurred."""
+    e = _e
     counters: list[str] = []
     for r in results:
         counters += [k for k in (r.get("coverage") or {}) if k not in counters]
-    if counters:
-        out.append("<h2>Coverage</h2><p class='meta'>Times each situation occurred over all examples; "
-                   "a 0 means the run could not have caught bugs that need it.</p>")
-        out.append("<div class='scroll'><table id='coverage'><thead><tr><th>implementation</th>")
-        out += [f"<th>{e(k)}</th>" for k in counters]
-        out.append("</tr></thead><tbody>")
-        for r in results:
-            cov = r.get("coverage") or {}
-            out.append(f"<tr><th>{e(run_label(r))}</th>")
-            out += [f"<td class='num{' zero' if not cov.get(k) else ''}'>{int(cov.get(k, 0))}</td>" for k in counters]
-            out.append("</tr>")
-        out.append("</tbody></table></div>")
+    if not counters:
+        return []
+    out = ["<h2>Coverage</h2><p class='meta'>Times each situation occurred over all examples; "
+           "a 0 means the run could not have caught bugs that need it.</p>",
+           "<div class='scroll'><table id='coverage'><thead><tr><th>implementation</th>"]
+    out += [f"<th>{e(k)}</th>" for k in counters]
+    out.append("</tr></thead><tbody>")
+    for r in results:
+        cov = r.get("coverage") or {}
+        out.append(f"<tr><th>{e(run_label(r))}</th>")
+        out += [f"<td class='num{' zero' if not cov.get(k) else ''}'>{int(cov.get(k, 0))}</td>" for k in counters]
+        out.append("</tr>")
+    out.append("</tbody></table></div>")
+    return out
 
-    # -- every check -------------------------------------------------------------------
-    out.append("<h2>Checks</h2><table id='checks'><thead><tr><th>implementation</th><th>check</th><th>family</th>"
-               "<th>status</th><th>examples</th><th>operations</th><th>seconds</th><th>first failure after</th>"
-               "</tr></thead><tbody>")
+
+def _checks(results: list[dict]) -> list[str]:
+    """Every check of every run."""
+    e = _e
+    out = ["<h2>Checks</h2><table id='checks'><thead><tr><th>implementation</th><th>check</th><th>family</th>"
+           "<th>status</th><th>examples</th><th>operations</th><th>seconds</th><th>first failure after</th>"
+           "<th>notes</th></tr></thead><tbody>"]
     for r in results:
         for c in r.get("checks", []):
             f = c.get("failure") or {}
             first = (f"{f.get('examples_to_failure')} examples, {f.get('seconds_to_failure')} s"
                      if f.get("examples_to_failure") is not None else "")
+            status = c["status"] + (f": {c['reason']}" if c["status"] == "skipped" and c.get("reason") else "")
             out.append(f"<tr><td>{e(run_label(r))}</td><td title='{e(c.get('description', ''))}'>{e(c['id'])}</td>"
-                       f"<td>{e(str(c.get('family', '')))}</td><td class='{e(c['status'])}'>{e(c['status'])}</td>"
+                       f"<td>{e(str(c.get('family', '')))}</td><td class='{e(c['status'])}'>{e(status)}</td>"
                        f"<td class='num'>{c.get('examples', 0)}</td><td class='num'>{c.get('steps', 0)}</td>"
-                       f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td></tr>")
+                       f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td>"
+                       f"<td>{'<br>'.join(e(n) for n in c.get('notes') or [])}</td></tr>")
     out.append("</tbody></table>")
+    return out
 
-    # -- failures, with their repro files and the command that replays them -------------
+
+def _failures(results: list[dict], base: Path | None) -> list[str]:
+    """Failures, with their repro files and the command that replays them."""
+    e = _e
     failures = [(r, c) for r in results for c in r.get("checks", []) if c["status"] in ("failed", "error")]
-    out.append(f"<h2>Failures ({len(failures)})</h2>")
+    out = [f"<h2>Failures ({len(failures)})</h2>"]
     if not failures:
         out.append("<p><span class='badge ok'>none</span></p>")
     for r, c in failures:
@@ -147,35 +164,37 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
         if f.get("repro"):
             rel = _rel(f["repro"], base)
             out.append(f"<p>repro: <a href='{e(rel)}'><code>{e(rel)}</code></a><br>replay: "
-                       f"<code>hybrid-conformance replay {e(f['repro'])}</code></p>")
+                       f"<code>{e(replay_command(f['repro'], r.get('impl_spec')))}</code></p>")
         steps = f.get("steps") or []
         if steps:
             body = "\n".join(f"{i + 1:>3}. {json.dumps(s)}" for i, s in enumerate(steps))
             out.append(f"<details><summary>minimized sequence ({len(steps)} operations)</summary>"
                        f"<pre>{e(body)}</pre></details>")
         out.append("</div>")
+    return out
 
-    # -- faults and plots --------------------------------------------------------------
+
+def _faults_and_plots(results: list[dict], plots) -> list[str]:
+    e = _e
+    out = []
     faults = [(r, name, info) for r in results for name, info in (r.get("faults") or {}).items()]
     if faults:
         out.append("<h2>Faults</h2><table><tr><th>implementation</th><th>fault</th><th>report</th></tr>")
         out += [f"<tr><td>{e(run_label(r))}</td><td>{e(name)}</td><td><code>{e(json.dumps(info))}</code></td></tr>"
                 for r, name, info in faults]
         out.append("</table>")
-    plots = sorted(base.glob("*.png")) if base is not None and base.is_dir() else []
     if plots:
         out.append("<h2>Plots</h2>")
         for p in plots:
             data = base64.b64encode(p.read_bytes()).decode("ascii")
             out.append(f"<figure><img alt='{e(p.name)}' src='data:image/png;base64,{data}'>"
                        f"<figcaption>{e(p.name)}</figcaption></figure>")
-    out.append("</body></html>\n")
-    return "".join(out)
+    return out
 
 
 def write_index(out: Path, results: list[dict], title: str = "hybrid-cache-conformance") -> Path:
 
     out = Path(out)
     path = out / "index.html"
-    atomic_write(path, render(results, base=out, title=title))
+    atomic_write(path, render(results, base=out, title=title, plots=sorted(out.glob("*.png"))))
     return path

@@ -6,6 +6,10 @@ from dataclasses import asdict, dataclass, field
 
 STATUSES = ("passed", "failed", "error", "skipped")
 SCHEMA_VERSION = 1
+# Every kind a Failure can have (an expectations file names one of them).
+# "noise": an engine check whose measured noise is above the documented ceiling (too noisy to judge).
+FAILURE_KINDS = ("logits", "invariant", "contract", "stall", "retention", "hit-rate", "coverage", "noise",
+                 "raised", "timeout", "harness")
 
 
 @dataclass
@@ -36,6 +40,10 @@ class CheckResult:
     failure: Failure | None = None
     reason: str = ""  # for skipped checks
     metrics: dict = field(default_factory=dict)  # cache metrics measured during the check (conformance/metrics.py)
+    # What this verdict could not rest on, said rather than silently passed: a
+    # checker that had nothing to check (no refcounts stated), a retention
+    # policy the implementation declared instead of the one the check configured.
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,14 +76,26 @@ class RunResult:
         return total
 
     @property
+    def checked(self) -> int:
+        """How many checks executed (a skipped check checked nothing)."""
+        return sum(c.status != "skipped" for c in self.checks)
+
+    @property
     def ok(self) -> bool:
-        return all(c.status in ("passed", "skipped") for c in self.checks) and not self.interrupted
+        """Green: no failure or error, not interrupted, and something was
+        checked.  Skipped checks are not failures, but a run whose every check
+        was skipped (or that ran none) proves nothing and is not ok."""
+        return (self.checked > 0 and all(c.status in ("passed", "skipped") for c in self.checks)
+                and not self.interrupted)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["schema_version"] = SCHEMA_VERSION
         d["coverage"] = self.coverage
         d["summary"] = {s: sum(c.status == s for c in self.checks) for s in STATUSES}
+        d["summary"]["checked"] = self.checked
+        d["summary"]["ok"] = self.ok
+        d["summary"]["skip_reasons"] = {c.id: c.reason for c in self.checks if c.status == "skipped"}
         # Of the failures, those that are performance bugs (reuse below the declared
         # retention policy; logits were right): reported apart from correctness.
         d["summary"]["hit_rate_failures"] = sum(c.status == "failed" and c.failure is not None

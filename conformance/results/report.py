@@ -9,8 +9,8 @@ import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from conformance.results.files import atomic_write
-from conformance.results.html import write_index
+from conformance.results.files import atomic_write, strict_json
+from conformance.results.html import replay_command, write_index
 from conformance.results.records import CheckResult, RunResult
 
 REPRO_SCHEMA = "hybrid-cache-conformance/repro"
@@ -18,7 +18,7 @@ REPRO_VERSION = 2  # docs/repro-format.md; conformance.results.repro reads it
 
 
 def write_all(out: Path, result: RunResult) -> None:
-    atomic_write(out / "results.json", json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+    atomic_write(out / "results.json", strict_json(result.to_dict(), indent=2, default=str) + "\n")
     atomic_write(out / "junit.xml", junit_xml(result))
 
     write_index(out, [result.to_dict()])
@@ -39,17 +39,17 @@ def junit_xml(result: RunResult) -> str:
         if c.status in ("failed", "error") and c.failure is not None:
             el = ET.SubElement(case, "failure" if c.status == "failed" else "error",
                                message=c.failure.message[:500], type=c.failure.kind)
-            el.text = _witness(c)
+            el.text = _witness(c, result.impl_spec)
         elif c.status == "skipped":
             ET.SubElement(case, "skipped", message=c.reason)
     return ET.tostring(suite, encoding="unicode") + "\n"
 
 
-def _witness(c: CheckResult) -> str:
+def _witness(c: CheckResult, impl_spec: str | None = None) -> str:
     lines = [c.failure.message, "", f"minimized sequence ({len(c.failure.steps)} operations):"]
     lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(c.failure.steps)]
     if c.failure.repro:
-        lines += ["", f"replay: hybrid-conformance replay {c.failure.repro}"]
+        lines += ["", f"replay: {replay_command(c.failure.repro, impl_spec)}"]
     return "\n".join(lines)
 
 
@@ -101,6 +101,6 @@ def write_failure_repro(out: Path, result: RunResult, check: CheckResult, impl_c
     name = f"{check.id}" + (f"--{result.mutant}" if result.mutant else "") + ".json"
     path = repro_dir / name
     doc = repro_document(result, check, impl_config)
-    atomic_write(path, json.dumps(doc, indent=2) + "\n")
+    atomic_write(path, strict_json(doc, indent=2, default=str) + "\n")
     check.failure.repro = str(path)
     return path

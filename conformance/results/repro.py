@@ -15,7 +15,7 @@ from pathlib import Path
 
 from conformance.contract import ImplConfig
 from conformance.errors import ReproFormatError
-from conformance.harness.ops import Op, Submit, op_from_dict
+from conformance.harness.ops import Op, Probe, Submit, op_from_dict
 from conformance.model import ModelConfig
 
 SCHEMA = "hybrid-cache-conformance/repro"
@@ -160,6 +160,9 @@ def _parse_steps(raw, vocab: int) -> list[Op]:
                                        f"of {vocab}")
             # ``continues`` is coverage bookkeeping only: a minimized sequence may
             # have dropped the earlier request, and the replay is still valid.
+        if ops and isinstance(ops[-1], Probe):
+            raise ReproFormatError(f"steps[{i}]: the probe (steps[{i - 1}]) ends a session: it must be the last "
+                                   f"operation")
         ops.append(op)
     return ops
 

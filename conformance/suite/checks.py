@@ -20,7 +20,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               frozenset({"step", "continue"}), ("chunked_prefills", "mid_block_chunk_ends", "prefix_hits")),
     CheckSpec("eviction-pressure", "eviction",
               "a small pool: distinct long prompts force cached blocks and snapshots out while others reuse",
-              frozenset({"pressure", "continue", "step"}), ("evictions", "prefix_hits"),
+              frozenset({"pressure", "continue", "step"}), ("evictions", "hits_after_eviction"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2),
     CheckSpec("snapshot-reuse", "snapshot",
               "recurrent snapshots reused across requests, with aborts and decode in between",
@@ -29,7 +29,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     # evicts comes back through loads (faults and tier mutants meet it here).
     CheckSpec("tier-reuse", "tier",
               "a small device pool spills to the second tier; later requests load back what was evicted",
-              frozenset({"pressure", "continue", "step"}), ("tier_loads", "prefix_hits"),
+              frozenset({"pressure", "continue", "step"}), ("tier_loads", "tier_hits"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True),
     # The declared retention policy (default here: interval 8 and second-hit
     # together; --option overrides).  Reusing less than promised is a
@@ -71,8 +71,8 @@ PROFILES = {
 
 def get_check(check_id: str) -> CheckSpec:
     """A check by id; ``id[key=value,...]`` is that check under those options
-    (a variant of a configuration matrix, :mod:`conformance.suite.matrix`)."""
-    from conformance.suite.matrix import parse_variant_id, variant
+    (a variant of a configuration matrix, :mod:`conformance.suite.config_matrix`)."""
+    from conformance.suite.config_matrix import parse_variant_id, variant
 
     base, options = parse_variant_id(check_id)
     if options:

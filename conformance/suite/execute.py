@@ -20,7 +20,7 @@ from conformance.judge.metrics import CacheMetrics
 from conformance.model import TinyHybrid
 from conformance.results import report
 from conformance.results.records import CheckResult, Failure, RunResult
-from conformance.suite.matrix import parse_variant_id
+from conformance.suite.config_matrix import parse_variant_id
 from conformance.suite.options import RunOptions
 
 
@@ -36,14 +36,8 @@ def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
     # A check's own setting of the tier option (a matrix variant choosing the
     # connector's mode) wins over the plain "on".
     tier = dict([tier_option]) if spec.tier and tier_option and tier_option[0] not in spec.options else {}
-    return spec.impl_config(block_size=opts.block_size, options={**spec.options, **tier, **opts.impl_options})
-
-
-def shrink_mode(factory, opts: RunOptions) -> str:
-    """The user's choice, else the implementation's (an optional ``shrink``
-    class attribute: vLLM builds a scheduler per example, so Hypothesis's
-    shrinker takes minutes there where replaying subsets takes seconds)."""
-    return opts.shrink or getattr(factory, "shrink", None) or "hypothesis"
+    return spec.impl_config(block_size=opts.block_size, num_kv_blocks=opts.num_kv_blocks,
+                            num_state_slots=opts.num_state_slots, options={**spec.options, **tier, **opts.impl_options})
 
 
 def real_block_size(factory, impl_config, timeout: float | None):
@@ -60,17 +54,37 @@ def real_block_size(factory, impl_config, timeout: float | None):
     return impl_config if block_size == impl_config.block_size else replace(impl_config, block_size=block_size)
 
 
-def _declares_retention(factory, impl_config, timeout: float | None) -> bool:
-    """Whether the implementation, built with this configuration, declares a
-    retention policy (an engine may declare one for some settings only)."""
+_UNKNOWN = object()  # building the implementation failed: the check reports it itself
+
+
+def _declared_retention(factory, impl_config, timeout: float | None):
+    """The retention policy the implementation, built with this
+    configuration, declares (an engine may declare one for some settings
+    only): a dict, None when it declares none, ``_UNKNOWN`` when it could
+    not be asked."""
     if isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
-        return False
+        return None
     try:
         impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
         retention = getattr(impl, "retention", None)
-        return callable(retention) and guarded("retention()", retention, timeout=timeout) is not None
+        return guarded("retention()", retention, timeout=timeout) if callable(retention) else None
     except ImplementationError:
-        return True  # the check itself builds it again and reports the error, with context
+        return _UNKNOWN  # the check itself builds it again and reports the error, with context
+
+
+def retention_note(configured: dict, declared) -> str | None:
+    """A sentence when the implementation declares another retention policy
+    than the check configured: it is then tested against its own declaration,
+    and the result says so."""
+    if not isinstance(declared, dict):
+        return None
+    differ = [k for k in ("interval", "admission") if k in configured
+              and declared.get(k, "always" if k == "admission" else None) != configured[k]]
+    if not differ:
+        return None
+    want = ", ".join(f"{k}={configured[k]!r}" for k in differ)
+    got = ", ".join(f"{k}={declared.get(k)!r}" for k in differ)
+    return f"the check configured {want}; the implementation declares {got} and was tested against its own declaration"
 
 
 def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts: RunOptions, profile,
@@ -87,7 +101,13 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
     impl_config = real_block_size(factory, check_impl_config(spec, opts, tier_option), opts.timeout)
-    if spec.observe and not _declares_retention(factory, impl_config, opts.timeout):
+    notes: list[str] = []
+    if spec.observe:
+        declared = _declared_retention(factory, impl_config, opts.timeout)
+        note = retention_note(impl_config.options, declared)
+        if note:
+            notes.append(note)
+    if spec.observe and declared is None:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason=f"the implementation declares no retention policy (optional retention() "
@@ -105,9 +125,8 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         return HybridCacheMachine(factory, spec, model=model, oracle=oracle, impl_config=impl_config,
                                   timeout=opts.timeout, recorder=recorder, attach=attach)
 
-    shrink = shrink_mode(factory, opts)
-    test = get_state_machine_test(machine, settings=hypothesis_settings(examples, steps,
-                                                                        shrink=shrink == "hypothesis"))
+    test = get_state_machine_test(machine, settings=hypothesis_settings(
+        examples, steps, shrink=opts.shrink in ("hypothesis", "hypothesis+ops")))
     test = hypothesis_seed(opts.seed * 1000 + index)(test)
     started = time.perf_counter()
     status, failure = "passed", None
@@ -120,7 +139,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         first = recorder.first_failure or (None, None)
         failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
                           examples_to_failure=first[0], seconds_to_failure=first[1])
-        if shrink == "ops" and steps_data:
+        if opts.shrink in ("ops", "hypothesis+ops") and steps_data:
             minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
     except UsageError:
         raise
@@ -140,7 +159,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
                        options=parse_variant_id(spec.id)[1], examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
-                       failure=failure, metrics=cache_metrics.summary())
+                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
 
 
 def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, model, oracle, opts: RunOptions,
@@ -168,16 +187,27 @@ def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, mo
 
 
 def check_faults_exercised(result: RunResult) -> None:
-    """A fault that never fired proves nothing: the run fails, as a check of its own."""
-    idle = []
+    """A fault that never fired proves nothing, nor one whose effect nothing
+    consumed (a corrupted offload never loaded, a corrupted load never read
+    nor rejected): the run fails, as a check of its own."""
+    silent, unconsumed = [], []
     for name, info in result.faults.items():
-        info["exercised"] = bool(info.get("fired"))  # recomputed: workers' reports are merged by summing
-        if not info["exercised"]:
-            idle.append(name)
-    if idle:
-        hint = result.faults[idle[0]].get("hint", "")
+        # recomputed: workers' reports are merged by summing
+        info["exercised"] = bool(info.get("consumed"))
+        if not info.get("fired"):
+            silent.append(name)
+        elif not info["exercised"]:
+            unconsumed.append(name)
+    if silent or unconsumed:
+        parts = []
+        if silent:
+            hint = result.faults[silent[0]].get("hint", "")
+            parts.append(f"faults never fired: {', '.join(silent)}" + (f" ({hint})" if hint else ""))
+        if unconsumed:
+            parts.append("faults fired but their effect was never consumed (no faulty load was read or rejected "
+                         "by a computed step, no failed offload reported): "
+                         + ", ".join(f"{n} (fired {result.faults[n]['fired']} times)" for n in unconsumed))
         result.checks.append(CheckResult(
             id="faults-exercised", family="fault-injection", status="failed",
-            description="every injected environment fault fired at least once",
-            failure=Failure(kind="coverage",
-                            message=f"faults never fired: {', '.join(idle)}" + (f" ({hint})" if hint else ""))))
+            description="every injected environment fault fired and its effect was consumed",
+            failure=Failure(kind="coverage", message="; ".join(parts))))

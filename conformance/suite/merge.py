@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     s = result.to_dict()["summary"]
     print(f"merged {len(argv) - 1} shards into {argv[0]}: {s['passed']} passed, {s['failed']} failed, "
-          f"{s['error']} errors" + (" (interrupted)" if result.interrupted else ""))
+          f"{s['error']} errors, {s['skipped']} skipped" + (" (interrupted)" if result.interrupted else "")
+          + ("; nothing was checked" if not result.checked else ""))
     return 0 if result.ok else 1
 
 

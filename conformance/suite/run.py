@@ -15,8 +15,8 @@ from conformance.model import TinyHybrid
 from conformance.results import report
 from conformance.results.records import RunResult
 from conformance.suite.checks import PROFILES
+from conformance.suite.config_matrix import expand
 from conformance.suite.execute import check_faults_exercised, record_check, run_check
-from conformance.suite.matrix import expand
 from conformance.suite.options import RunOptions, default_report_dir, now
 from conformance.suite.prepare import prepare
 
@@ -25,6 +25,16 @@ __all__ = ["RunOptions", "run", "select_shard"]
 
 def run(opts: RunOptions) -> RunResult:
     factory, name, specs, model_config, env = prepare(opts)
+    # A check's seed comes from its position in the whole profile, so a shard
+    # or a worker runs exactly the examples the unsplit run would.
+    planned = list(enumerate(specs))
+    if opts.matrix:
+        planned = expand(planned, factory, opts.impl_options)  # variants keep their check's index (seed)
+    if opts.shard:
+        planned = select_shard(planned, *opts.shard)
+        if not planned:  # a green run of nothing would hide a miscounted CI matrix
+            raise UsageError(f"--shard {opts.shard[0]}/{opts.shard[1]}: this shard holds no check (the run "
+                             f"selects {len(specs)}); use at most {len(specs)} shards")
     # The model's tensors are tiny: intra-op threads only add synchronization,
     # which on a loaded CPU makes each step tens of times slower.
     torch.set_num_threads(1)
@@ -34,20 +44,14 @@ def run(opts: RunOptions) -> RunResult:
     result = RunResult(implementation=name, implementation_version=version, seed=opts.seed, profile=opts.profile,
                        started=now(), model=model_config.to_dict(), mutant=opts.mutant,
                        impl_spec=opts.impl, fault_names=list(opts.faults),
-                       impl_config={"options": opts.impl_options, "block_size": opts.block_size})
+                       impl_config={"options": opts.impl_options, "block_size": opts.block_size,
+                                    "num_kv_blocks": opts.num_kv_blocks, "num_state_slots": opts.num_state_slots})
     out = None
     if opts.write_reports:
-        out = Path(opts.report_dir or default_report_dir(opts.impl, opts.seed))
+        out = Path(opts.report_dir or default_report_dir(opts.impl, opts.seed, opts.mutant, opts.faults))
         out.mkdir(parents=True, exist_ok=True)
     profile = PROFILES[opts.profile]
     notify = opts.progress or (lambda *a, **k: None)
-    # A check's seed comes from its position in the whole profile, so a shard
-    # or a worker runs exactly the examples the unsplit run would.
-    planned = list(enumerate(specs))
-    if opts.matrix:
-        planned = expand(planned, factory, opts.impl_options)  # variants keep their check's index (seed)
-    if opts.shard:
-        planned = select_shard(planned, *opts.shard)
     parallel = None
     try:
         if opts.workers > 1 and len(planned) > 1:

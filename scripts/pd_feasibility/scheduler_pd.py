@@ -22,7 +22,7 @@ What it proves (prints one ``OK`` line per point, exits 1 at the first that does
 The worker side (NIXL agents, registration, READs) is not run here: the harness would
 execute it (see docs/vllm-adapter.md, "Prefill/decode over NixlConnector").
 
-Run: ``VLLM_TARGET_DEVICE=cpu /work/main/.venvs/main/bin/python scripts/pd_feasibility/scheduler_pd.py``
+Run: ``VLLM_TARGET_DEVICE=cpu .venvs/main/bin/python scripts/pd_feasibility/scheduler_pd.py``
 (about 20 s, most of it importing vLLM).
 """
 

@@ -16,7 +16,7 @@ What it checks, in order (prints OK/FAIL per point with the exact error):
    layout, which is exactly what must not be passed off as vLLM.  The script stops there
    and says so.
 
-Run: ``VLLM_TARGET_DEVICE=cpu /work/main/.venvs/main/bin/python scripts/pd_feasibility/worker_side_033.py``
+Run: ``VLLM_TARGET_DEVICE=cpu .venvs/main/bin/python scripts/pd_feasibility/worker_side_033.py``
 """
 
 from __future__ import annotations

@@ -68,6 +68,11 @@ class ReferenceCache:
     # attribute, so the single-worker contract is untouched).
     from conformance.adapters.reference.disagg import ReferenceDisagg as disagg_factory  # noqa: E402
 
+    @classmethod
+    def validate_options(cls, config: ImplConfig) -> None:
+        """Raises ValueError for options this cache rejects (the harness makes that a usage error)."""
+        RetentionPolicy.from_options(config.options, config.block_size)
+
     def __init__(self, config: ImplConfig | None = None):
         config = config or ImplConfig()
         self.config = config

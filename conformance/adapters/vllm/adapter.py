@@ -29,6 +29,7 @@ from conformance.adapters.vllm.config import (
     build_vllm_config,
     resolve_engine_fields,
 )
+from conformance.adapters.vllm.disagg import VllmDisagg
 from conformance.adapters.vllm.translate import RunnerState
 from conformance.adapters.vllm.view import HashRegistry, build_view
 from conformance.contract import ImplConfig, Layout, Request, StepPlan, StepResult
@@ -41,11 +42,15 @@ class VllmCache:
     name = "vllm"
     version = vllm.__version__
     tier_option = ("connector", True)  # the store connector, asynchronous loads (see .connector)
-    # Each example builds a vLLM scheduler: Hypothesis's shrinker needs minutes
-    # per failure here, replaying subsets of the failing operations seconds.
-    shrink = "ops"
+    # Prefill/decode: two Schedulers with the NixlConnector's scheduler side (see .disagg).
+    disagg_factory = VllmDisagg
+
+    @classmethod
+    def validate_options(cls, config: ImplConfig) -> None:
+        """Raises ValueError for options this adapter rejects (the harness makes that a usage error)."""
+        VllmOptions.from_config(config)
     # The configurations under which each check family's situations are
-    # reachable in vLLM (conformance/suite/matrix.py expands every check into
+    # reachable in vLLM (conformance/suite/config_matrix.py expands every check into
     # one variant per set; ``{}`` is vLLM's defaults: match unit = block size,
     # retention interval 0, no connector, MambaMixer2's spec):
     # - a hit can end inside a block only with a match unit of one token;
@@ -62,7 +67,7 @@ class VllmCache:
                  {"connector": "async", "prefix_match_unit": 1}, {"connector": "divergent", "prefix_match_unit": 1}),
         "retention": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
         "hit-rate": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
-        "disagg": ({},),  # no disaggregated mode here: skipped once, not once per variant
+        "disagg": ({},),  # its own pairing of two schedulers (.disagg): once
         "*": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "connector": "divergent"}),
     }
 

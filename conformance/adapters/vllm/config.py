@@ -114,6 +114,8 @@ class VllmOptions:
             raise ValueError(f"prefix_match_unit {pmu} must divide the block size {bs}")
         # "interval" is the reference adapter's name for the same knob.
         interval = o.get("retention_interval", o.get("interval", 0))
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 0):
+            raise ValueError(f"retention interval must be None or an integer >= 0, got {interval!r}")
         if interval is not None and interval % bs:
             raise ValueError(f"retention interval {interval} is not a multiple of the block size {bs}")
         admission = o.get("admission", "second-hit")

@@ -1,0 +1,209 @@
+"""Black-box lifetime checks (issue 11, item 5): the pool probe serves, at
+idle, what a fresh instance serves, so a cache that leaks fails whatever its
+view says; a view without refcounts is reported as reduced assurance; and the
+refcount rule of the contract (the cache's own retention is not a reference)."""
+
+import pytest
+import torch
+
+from conformance.adapters.reference import ReferenceCache
+from conformance.contract import CachedKV, CacheView, ImplConfig, Layout, StepPlan
+from conformance.errors import ConformanceFailure
+from conformance.generate.probe import pool_probe
+from conformance.harness.memory import Memory
+from conformance.harness.ops import Drain, Probe, Step, Submit, op_from_dict, op_to_dict
+from conformance.harness.probe import probe_prompts
+from conformance.judge import judged_session
+from conformance.judge.invariants import NO_KV_REFCOUNTS, check_view
+from conformance.suite.checks import CHECKS
+from conformance.suite.options import RunOptions
+from conformance.suite.single import run_single_check
+
+CFG = ImplConfig(block_size=4, num_kv_blocks=24, num_state_slots=8)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """As run() does: the tiny model's tensors only pay for threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class NeverFreeCache(ReferenceCache):
+    """The false green of issue 11: never lets go of a finished request's
+    blocks or slot, and states an empty view (nothing to contradict)."""
+
+    def _free(self, req):
+        req.blocks, req.slot = [], None
+        if req in self.running:
+            self.running.remove(req)
+
+    def view(self):
+        return CacheView()
+
+
+class SlotLeakCache(ReferenceCache):
+    """Takes one state slot more than it lets go of for every request it
+    frees, and states no state refcounts (so no view can show the leak)."""
+
+    def _free(self, req):
+        super()._free(req)
+        self.states.allocate()  # never released
+
+    def view(self):
+        v = super().view()
+        return CacheView(kv_refcounts=v.kv_refcounts, cached_kv=v.cached_kv, cached_states=v.cached_states,
+                         running=v.running)
+
+
+def test_probe_is_sized_on_a_fresh_instance(model, oracle):
+    probe = pool_probe(ReferenceCache, CFG, model, oracle)
+    # the generator's budget for one request alone: ceil((P + 1) / B) + 1 <= 24 blocks
+    assert probe == Probe(kv_tokens=(24 - 1) * 4 - 1, concurrent=8, expect=8)
+    assert pool_probe(ReferenceCache, CFG, model, oracle) is probe  # measured once
+
+
+def test_probe_prompts_are_fixed():
+    short, long = probe_prompts(64, 11, 5)
+    assert (short, long) == probe_prompts(64, 11, 5)
+    assert len(set(short)) == 5 and all(len(p) == 2 for p in short) and len(long) == 11
+
+
+def test_probe_op_round_trips_and_validates():
+    op = Probe(kv_tokens=91, concurrent=8, expect=8)
+    assert op_from_dict(op_to_dict(op)) == op
+    with pytest.raises(ValueError, match="probe.expect"):
+        op_from_dict({"op": "probe", "kv_tokens": 3, "expect": -1})
+
+
+def busy(s):
+    """Some traffic that a correct cache cleans up after (hits, snapshots, decode)."""
+    s.apply(Submit("a", tuple(range(1, 12)), 2))
+    s.apply(Drain(1024))
+    s.apply(Submit("b", tuple(range(1, 9)) + (40, 41), 2))
+    s.apply(Submit("c", tuple(range(20, 33)), 1))
+    s.apply(Drain(5))
+
+
+def test_reference_serves_the_probe_at_idle(model, oracle):
+    s = judged_session(ReferenceCache, CFG, model, oracle, timeout=10)
+    busy(s)
+    s.apply(pool_probe(ReferenceCache, CFG, model, oracle))
+    assert not s.active() and s.coverage["requests"] == 3  # the probe's requests are not coverage
+
+
+def test_never_free_cache_fails_the_probe(model, oracle):
+    s = judged_session(NeverFreeCache, CFG, model, oracle, timeout=10)
+    busy(s)  # its empty view contradicts nothing
+    with pytest.raises(ConformanceFailure) as exc:
+        s.apply(pool_probe(NeverFreeCache, CFG, model, oracle))
+    assert exc.value.kind == "invariant" and str(exc.value).startswith("lifetime:"), exc.value
+    assert "leaked" in str(exc.value)
+
+
+def test_a_leaked_state_slot_fails_the_concurrent_probe(model, oracle):
+    s = judged_session(SlotLeakCache, CFG, model, oracle, timeout=10)
+    s.apply(Submit("a", tuple(range(1, 6)), 1))
+    s.apply(Drain(1024))
+    probe = pool_probe(SlotLeakCache, CFG, model, oracle)
+    assert probe.expect == CFG.num_state_slots  # fresh, it runs one request per slot
+    with pytest.raises(ConformanceFailure, match=r"lifetime: at idle, \d of 8 2-token requests"):
+        s.apply(probe)
+    assert NO_KV_REFCOUNTS not in s.notes and any("state-slot refcounts" in n for n in s.notes)
+
+
+# The disagg family runs the implementation's disaggregated mode in its own
+# session (conformance/suite/disagg.py), not this cache: not probed here.
+@pytest.mark.parametrize("spec", [s for s in CHECKS if not s.disagg], ids=lambda s: s.id)
+def test_never_free_cache_fails_every_family_at_once(spec):
+    """Within the first examples (seconds): the probe, or the pressure rule's stall,
+    or (hit-rate) its empty view, never a pass."""
+    res = run_single_check(NeverFreeCache, spec.id, RunOptions(examples=4, steps=8, shrink="none",
+                                                               write_reports=False))
+    assert res.status == "failed", (res.status, res.failure)
+    assert res.failure.examples_to_failure <= 2, res.failure
+    assert res.failure.kind in ("invariant", "stall", "hit-rate"), res.failure
+    if res.failure.kind == "invariant":
+        assert res.failure.message.startswith("lifetime:")
+
+
+def test_no_refcounts_is_reported_not_silently_passed(model, oracle):
+    class NoRefcounts(ReferenceCache):
+        def view(self):
+            v = super().view()
+            return CacheView(cached_kv=v.cached_kv, cached_states=v.cached_states, running=v.running)
+
+    s = judged_session(NoRefcounts, CFG, model, oracle, timeout=10)
+    busy(s)
+    assert NO_KV_REFCOUNTS in s.notes
+    res = run_single_check(NoRefcounts, "mid-block-hits", RunOptions(examples=2, steps=6, write_reports=False))
+    assert res.status == "passed" and NO_KV_REFCOUNTS in res.notes
+
+
+def test_refcount_means_holders_other_than_the_cache(model):
+    mem = Memory(Layout(4, 4, 2), model.config)
+    mem.kv_prov[1] = [(7,), (7, 8), None, None]
+    cached = CacheView(kv_refcounts={0: 0, 1: 0}, cached_kv=(CachedKV(1, (7, 8)),))
+    assert check_view(cached, mem, idle=True) == []  # only cached: 0, like a free block
+    held = CacheView(kv_refcounts={0: 0, 1: 1}, cached_kv=(CachedKV(1, (7, 8)),))
+    [problem] = check_view(held, mem, idle=True)
+    assert "leaked" in problem and "never the cache's own retention" in problem
+    assert check_view(held, mem, idle=False) == []
+
+
+def test_plan_with_copies_and_no_request_is_executed(model, oracle):
+    """Issue 11, item 10a: copies without a request step run, and update() hears of the step."""
+
+    class CopyFirst(ReferenceCache):
+        updates = 0
+
+        def schedule(self, budget):
+            if not getattr(self, "_copied", False) and self.waiting:
+                self._copied = True
+                return StepPlan(kv_copies=((0, 1),), state_copies=((0, 1),))
+            return super().schedule(budget)
+
+        def update(self, plan, result):
+            CopyFirst.updates += 1
+            return super().update(plan, result)
+
+    s = judged_session(CopyFirst, CFG, model, oracle, timeout=10)
+    s.apply(Submit("a", (1, 2, 3, 4, 5), 1))
+    s.memory.kv_prov[0] = [(9,), None, None, None]
+    s.memory.conv_prov[0] = s.memory.ssm_prov[0] = (9,)
+    s.apply(Step(1024))  # the copy-only plan
+    assert s.memory.kv_prov[1][0] == (9,) and s.memory.state_holds(1) == ((9,), (9,))
+    assert CopyFirst.updates == 1 and s.active() == ["a"]
+    s.apply(Drain(1024))
+    assert CopyFirst.updates >= 2 and not s.active()  # then the request's own steps
+
+
+# ---------------------------------------------------------------- notes: a policy other than the check's
+
+
+class OwnPolicyCache(ReferenceCache):
+    """Keeps its own retention policy whatever the check configures, and says so in retention()."""
+
+    def __init__(self, config=None):
+        config = config or ImplConfig()
+        options = {k: v for k, v in config.options.items() if k not in ("interval", "admission")}
+        super().__init__(ImplConfig(config.block_size, config.num_kv_blocks, config.num_state_slots, options))
+
+
+def test_retention_note_names_what_differs():
+    from conformance.suite.execute import retention_note
+
+    assert retention_note({"interval": 8}, {"interval": 8, "admission": "always"}) is None
+    assert retention_note({"interval": 8}, None) is None
+    note = retention_note({"interval": 8, "admission": "second-hit"}, {"interval": None, "admission": "always"})
+    assert "interval=8" in note and "interval=None" in note and "admission='always'" in note
+    assert "tested against its own declaration" in note
+
+
+def test_a_declaration_other_than_the_checks_is_said_in_the_result():
+    res = run_single_check(OwnPolicyCache, "retention-policy", RunOptions(examples=3, steps=6, write_reports=False))
+    assert any("tested against its own declaration" in n for n in res.notes), res.notes
+    assert not run_single_check(ReferenceCache, "retention-policy",
+                                RunOptions(examples=2, steps=6, write_reports=False)).notes

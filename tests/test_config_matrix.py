@@ -51,9 +51,13 @@ def test_expectations_match_variants(tmp_path):
                    '[[checks."mid-block-hits".when]]\noptions = { unit = 1 }\nstatus = "passed"\n'
                    '[checks."snapshot-reuse[unit=1]"]\nstatus = "failed"\nkind = "logits"\nreason = "r"\n')
 
+    kinds = {"mid-block-hits": "coverage", "snapshot-reuse[unit=1]": "logits"}
+
     def result(*checks):
         return {"profile": "quick", "impl_config": {"options": {}}, "checks": [
-            {"id": cid, "status": st, "options": parse_variant_id(cid)[1]} for cid, st in checks]}
+            {"id": cid, "status": st, "options": parse_variant_id(cid)[1],
+             **({"failure": {"kind": kinds.get(cid, "invariant"), "message": ""}} if st == "failed" else {})}
+            for cid, st in checks]}
 
     assert compare_with_expectations(result(("mid-block-hits[unit=1]", "passed"), ("mid-block-hits", "failed"),
                                             ("snapshot-reuse[unit=1]", "failed"), ("snapshot-reuse", "passed")),

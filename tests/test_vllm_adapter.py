@@ -283,7 +283,8 @@ def test_state_machine_catches_every_vllm_mutant(mutant, tmp_path):
     from conformance.suite.run import RunOptions
     from fault_injection.catalog import get_mutant
 
-    entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=("mid-block-hits",)), tmp_path / mutant)
+    entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=("mid-block-hits", "multi-turn-replay")),
+                       tmp_path / mutant)
     assert entry["detected"], entry["not_detections"]
     assert entry["kind"] in ("logits", "invariant") and entry["repro_steps"] <= 8, entry
     repro = json.loads(open(entry["repro"]).read())

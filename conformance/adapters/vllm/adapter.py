@@ -94,14 +94,7 @@ class VllmCache:
         if self.connector is not None:
             self.connector.bind_adapter(self)
         self._hasher = get_request_block_hasher(self.opts.prefix_match_unit, sha256)
-        cache = self.vllm_config.cache_config
-        spec = self.kv_cache_config.kv_cache_groups[1].kv_cache_spec
-        # The worker's prefill checkpoint rules read these (checkpoint.py:
-        # MambaPrefillCheckpointBuilder.build): as the engine resolved them.
-        self.runner = RunnerState(mamba_block_size=self.opts.block_size, hash_block_size=cache.hash_block_size,
-                                  cache_hit_alignment_tokens=cache.cache_hit_alignment_tokens,
-                                  checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
-                                  checkpoint_alignment=spec.prefill_checkpoint_alignment)
+        self.runner = RunnerState.for_config(self.vllm_config, self.kv_cache_config)
         self.registry = HashRegistry(self.opts.prefix_match_unit)
         self.requests: dict[str, VRequest] = {}  # live requests, ours to read (vLLM drops finished ones)
         self._pending = None  # the SchedulerOutput of the plan being executed

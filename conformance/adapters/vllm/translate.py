@@ -50,6 +50,18 @@ class RunnerState:
     # preprocess_mamba's ``mamba_state_idx``: request -> column of its running state
     mamba_state_idx: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def for_config(cls, vllm_config, kv_cache_config) -> RunnerState:
+        """A runner in lockstep with the scheduler built from these configs: the
+        worker's prefill checkpoint rules read the hash sizes the engine
+        resolved (``MambaPrefillCheckpointBuilder.build``) and the Mamba spec."""
+        cache = vllm_config.cache_config
+        spec = kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec
+        return cls(mamba_block_size=spec.block_size, hash_block_size=cache.hash_block_size,
+                   cache_hit_alignment_tokens=cache.cache_hit_alignment_tokens,
+                   checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+                   checkpoint_alignment=spec.prefill_checkpoint_alignment)
+
     def prev_state_idx(self, rid: str, num_computed: int) -> int:
         """The column holding the state at ``num_computed`` (-1: start fresh).
         A new or resumed request has none remembered: its hit ends at

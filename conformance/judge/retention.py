@@ -14,12 +14,15 @@ request that finished.  Three rules describe engines that publish a state
 only where a step ends (vLLM's Mamba "align" mode): ``prompt_ends = "tail"``
 puts the prompt's checkpoint at its *tail*, the last multiple t of
 ``hash_unit`` before the last prompt token, and at the block boundary at or
-before t (where the chunk before the tail ends); ``junctions = J`` adds
+before t (where the chunk before the tail ends; under ``"chunk-ends"``, only
+where a step ends on it or exports it); ``junctions = J`` adds
 Marconi's shared-prefix junction: a new request whose prompt the cached KV
 covers further than the hit it starts from has a checkpoint where that KV
 coverage ends, rounded down to a multiple of J; and ``interval_at =
 "chunk-ends"`` keeps a multiple of I (or of the block size) only where a step
-ends on it (the default, ``"anywhere"``, keeps every multiple computed).
+ends on it or exports a state from inside the step (a snapshot of the plan:
+vLLM's prefill checkpoint blocks); the default, ``"anywhere"``, keeps every
+multiple computed.
 A state that a load from a second tier brought in whole is admissible too.
 
 A *sighting* is one request computing through a checkpoint (not reusing it),
@@ -104,17 +107,25 @@ class RetentionChecker(Checker):
         self.junctions: dict[str, int] = {}  # request -> its shared-prefix junction (0: none)
 
     # -- the declared checkpoints ---------------------------------------------------
-    def checkpoints(self, start: int, end: int, prompt_len: int) -> list[int]:
+    def checkpoints(self, start: int, end: int, prompt_len: int, exported: frozenset[int] = frozenset()) -> list[int]:
+        """The declared checkpoints a step over [start, end) reaches.  Under
+        ``interval_at = "chunk-ends"`` a state is published where the step
+        ends or where it exports one from inside (a snapshot: vLLM's prefill
+        checkpoint blocks), never elsewhere."""
         interval = self.decl["interval"]
         step = self.B if interval is None else interval
+        published = {end} | set(exported)
         if self.decl["prompt_ends"] == "tail":
             tail = (prompt_len - 1) // self.decl["hash_unit"] * self.decl["hash_unit"]
-            ends = {tail, tail // self.B * self.B}
+            # the block boundary before the tail: where the chunk before the
+            # tail ends, unless the tail is exported from inside one chunk
+            floor = tail // self.B * self.B
+            ends = {tail} | ({floor} if self.decl["interval_at"] != "chunk-ends" or floor in published else set())
         else:
             ends = {prompt_len} if self.decl["prompt_ends"] else set()
         out = {q for q in ends if start < q <= end}
         if step > 0 and self.decl["interval_at"] == "chunk-ends":
-            out.update({end} if end % step == 0 else set())
+            out.update(q for q in published if start < q <= end and q % step == 0)
         elif step > 0:
             out.update(range((start // step + 1) * step, end + 1, step))
         return sorted(q for q in out if q > 0)
@@ -139,7 +150,7 @@ class RetentionChecker(Checker):
         self.step_no += 1
         for rs in plan.requests:
             track = session.tracks[rs.request_id]
-            qs = self.checkpoints(rs.start, rs.end, track.prompt_len)
+            qs = self.checkpoints(rs.start, rs.end, track.prompt_len, frozenset(q for q, _ in rs.snapshots))
             if self.decl["junctions"]:
                 qs += self._junction(session, view_before, track, rs)
             if self.decl["admission"] == "second-hit":

@@ -165,6 +165,22 @@ def _run_facts(result_dict: dict) -> dict:
             "options": dict((result_dict.get("impl_config") or {}).get("options") or {})}
 
 
+def base_id(check_id: str) -> str:
+    """``mid-block-hits[prefix_match_unit=1]`` -> ``mid-block-hits``."""
+    return check_id.partition("[")[0] if check_id.endswith("]") else check_id
+
+
+def entry_for(expectations: dict, check: dict) -> dict:
+    """A configuration-matrix variant's own entry, else its check's
+    (conformance/suite/config_matrix.py)."""
+    return expectations.get(check["id"]) or expectations.get(base_id(check["id"])) or {}
+
+
+def check_facts(facts: dict, check: dict) -> dict:
+    """The run's facts, with a variant's options over the run's (``when`` rules match them)."""
+    return {**facts, "options": {**facts.get("options", {}), **(check.get("options") or {})}}
+
+
 def judge_expectations(result_dict: dict, doc: dict) -> Verdict:
     exp = doc.get("checks", {})
     facts = _run_facts(result_dict)
@@ -172,7 +188,7 @@ def judge_expectations(result_dict: dict, doc: dict) -> Verdict:
     checks = result_dict.get("checks", [])
     verdict.nothing_checked = not any(c.get("status") != "skipped" for c in checks)
     for c in checks:
-        want = expected(exp.get(c["id"], {}), facts)
+        want = expected(entry_for(exp, c), check_facts(facts, c))
         failure = c.get("failure") or {}
         if c["status"] == "skipped":
             target = verdict.unexpected_skips if want.listed else verdict.skipped
@@ -206,14 +222,15 @@ def format_expectations(result_dict: dict, expectations_path: str | Path) -> tup
         lines.append("  NOTHING WAS CHECKED: every check was skipped (or none ran)")
     for cid, why in verdict.unexpected_failures:
         lines.append(f"  UNEXPECTED FAILURE {cid}: {why}")
+    by_id = {c["id"]: c for c in result_dict.get("checks", [])}
     for cid in verdict.unexpected_passes:
-        entry = doc["checks"][cid]
+        entry = entry_for(doc["checks"], by_id[cid])
         lines.append(f"  unexpected pass    {cid} (expected to fail: {entry.get('reason', '')} "
                      f"{' '.join(entry.get('upstream', []))}); update the expectations file")
     for cid, reason in verdict.unexpected_skips:
         lines.append(f"  UNEXPECTED SKIP    {cid}: {reason} (the file expects a result)")
     for cid, kind in verdict.expected_failures:
-        entry = doc["checks"].get(cid, {})
+        entry = entry_for(doc["checks"], by_id[cid])
         lines.append(f"  expected failure   {cid} [{kind}] ({' '.join(entry.get('upstream', []))})")
     for cid, reason in verdict.skipped:
         lines.append(f"  skipped            {cid}: {reason}")

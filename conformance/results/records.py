@@ -30,6 +30,9 @@ class CheckResult:
     family: str
     status: str
     description: str = ""
+    # The options of a configuration-matrix variant (its id names them too);
+    # empty for a check run as the profile lists it.
+    options: dict = field(default_factory=dict)
     examples: int = 0
     steps: int = 0
     seconds: float = 0.0

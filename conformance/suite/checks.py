@@ -101,6 +101,13 @@ PROFILES = {
 
 
 def get_check(check_id: str) -> CheckSpec:
+    """A check by id; ``id[key=value,...]`` is that check under those options
+    (a variant of a configuration matrix, :mod:`conformance.suite.config_matrix`)."""
+    from conformance.suite.config_matrix import parse_variant_id, variant
+
+    base, options = parse_variant_id(check_id)
+    if options:
+        return variant(get_check(base), options)
     for spec in CHECKS + (MIXED,):
         if spec.id == check_id:
             return spec

@@ -5,7 +5,7 @@ and the reports written after it."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from hypothesis import seed as hypothesis_seed
@@ -20,6 +20,7 @@ from conformance.judge.metrics import CacheMetrics
 from conformance.model import TinyHybrid
 from conformance.results import report
 from conformance.results.records import CheckResult, Failure, RunResult
+from conformance.suite.config_matrix import parse_variant_id
 from conformance.suite.options import RunOptions
 
 
@@ -32,9 +33,25 @@ def record_check(out: Path | None, result: RunResult, res: CheckResult) -> None:
 
 
 def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
-    tier = dict([tier_option]) if spec.tier and tier_option else {}
+    # A check's own setting of the tier option (a matrix variant choosing the
+    # connector's mode) wins over the plain "on".
+    tier = dict([tier_option]) if spec.tier and tier_option and tier_option[0] not in spec.options else {}
     return spec.impl_config(block_size=opts.block_size, num_kv_blocks=opts.num_kv_blocks,
                             num_state_slots=opts.num_state_slots, options={**spec.options, **tier, **opts.impl_options})
+
+
+def real_block_size(factory, impl_config, timeout: float | None):
+    """The configuration with the block size the implementation really uses
+    (``layout()``: an engine may raise the one asked for, as vLLM raises a
+    hybrid model's attention block to hold a Mamba page), so that the
+    generator draws prompt lengths and budgets around the real blocks.  The
+    same configuration when it keeps the block size asked for."""
+    try:
+        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        block_size = guarded("layout()", impl.layout, timeout=timeout).block_size
+    except ImplementationError:
+        return impl_config  # the check builds it again and reports the error, with context
+    return impl_config if block_size == impl_config.block_size else replace(impl_config, block_size=block_size)
 
 
 _UNKNOWN = object()  # building the implementation failed: the check reports it itself
@@ -81,8 +98,9 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     tier_option = getattr(factory, "tier_option", None)
     if spec.tier and not tier_option:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
-    impl_config = check_impl_config(spec, opts, tier_option)
+    impl_config = real_block_size(factory, check_impl_config(spec, opts, tier_option), opts.timeout)
     notes: list[str] = []
     if spec.observe:
         declared = _declared_retention(factory, impl_config, opts.timeout)
@@ -91,6 +109,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
             notes.append(note)
     if spec.observe and declared is None:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           options=parse_variant_id(spec.id)[1],
                            reason=f"the implementation declares no retention policy (optional retention() "
                                   f"method) for the options {impl_config.options}")
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
@@ -138,7 +157,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     if failure is not None:
         failure.impl_config = asdict(impl_config)
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
-                       examples=recorder.examples, steps=recorder.steps,
+                       options=parse_variant_id(spec.id)[1], examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
 

@@ -55,6 +55,9 @@ class RunOptions:
     shrink: str = "ops"
     shard: tuple[int, int] | None = None  # (i, n), 1 <= i <= n: run every n-th check (CI runners)
     workers: int = 1  # processes on this machine (conformance.suite.parallel)
+    # Expand each check under the implementation's configuration matrix
+    # (its ``config_matrix``; conformance.suite.config_matrix).
+    matrix: bool = True
 
 
 def _safe(text: str) -> str:

@@ -32,17 +32,17 @@ def _init(opts) -> None:
     _WORKER.update(opts=opts, factory=factory, model=model, oracle=Oracle(model), env=env)
 
 
-def _run_one(job: tuple[int, str]):
+def _run_one(job: tuple[int, int, str]):
     from conformance.suite.checks import PROFILES, get_check
     from conformance.suite.execute import run_check
 
-    index, check_id = job
+    position, index, check_id = job
     w = _WORKER
     opts = w["opts"]
     res = run_check(w["factory"], get_check(check_id), w["model"], w["oracle"], opts, PROFILES[opts.profile],
                     index, w["env"])
     faults = w["env"].report() if w["env"] is not None else {}
-    return index, res, os.getpid(), w["oracle"].reference_runs, faults
+    return position, res, os.getpid(), w["oracle"].reference_runs, faults
 
 
 @dataclass
@@ -80,10 +80,11 @@ def run_parallel(opts, planned: list, result, out, notify) -> ParallelRun:
     for k, (_, spec) in enumerate(planned):
         notify("check-start", check=spec.id, index=k, total=len(planned))
     with ctx.Pool(n, initializer=_init, initargs=(wopts,)) as pool:
-        jobs = [(index, spec.id) for index, spec in planned]
+        # By position: the variants of one check share its index (its seed).
+        jobs = [(k, index, spec.id) for k, (index, spec) in enumerate(planned)]
         # chunksize 1: checks differ a lot in cost, so hand them out one at a time
-        for index, res, pid, refs, faults in pool.imap_unordered(_run_one, jobs, chunksize=1):
-            done[index] = res
+        for position, res, pid, refs, faults in pool.imap_unordered(_run_one, jobs, chunksize=1):
+            done[position] = res
             state.reference_runs[pid] = refs
             if faults:
                 state.faults[pid] = faults

@@ -59,6 +59,12 @@ def prepare(opts: RunOptions):
             # through their second tier: injecting faults turns it on.
             opts.impl_options.setdefault(*tier_option)
     _check_impl_options(factory, specs, opts, tier_option)
+    # One-time set-up an implementation may need before its first build (an
+    # optional ``warm_up()`` class method), kept out of the first example's
+    # per-call timeout: on a loaded machine it is a timeout, then a flaky pass.
+    warm_up = getattr(factory, "warm_up", None)
+    if callable(warm_up):
+        warm_up()
     model_config = opts.model_config or default_model_config()
     return factory, name, specs, model_config, env
 

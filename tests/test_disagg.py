@@ -211,6 +211,99 @@ def test_stale_tail_names_the_request_whose_bytes_leaked(model, oracle):
     assert "of request old-tenant" in str(err.value)
 
 
+# -- the state machine --------------------------------------------------------------------------------
+_LAST: dict = {}  # the recorder of the last machine run (a failing run raises before returning it)
+
+
+def _machine_run(model, oracle, pairing, examples, factory=ReferenceDisagg, pool=None, shrink=False, seed=0):
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis.stateful import get_state_machine_test
+
+    from conformance.generate.disagg_machine import DisaggMachine, recorder_for_disagg
+    from conformance.generate.machine import hypothesis_settings, stable_draws
+
+    rec = _LAST["recorder"] = recorder_for_disagg()
+    test = get_state_machine_test(
+        lambda: DisaggMachine(factory, model=model, oracle=oracle, pairing=pairing, transport="inprocess",
+                              workers=pool, recorder=rec),
+        settings=hypothesis_settings(examples, 12, shrink=shrink))
+    with stable_draws():
+        hypothesis_seed(seed)(test)()
+    return rec
+
+
+@pytest.mark.parametrize("pairing", sorted(ops.PAIRINGS))
+def test_the_simplest_example_reaches_every_required_situation(model, oracle, pairing):
+    """Hypothesis runs its simplest example first, whatever the seed: by the order of
+    the rules and of their draws, it alone reaches every counter the check requires."""
+    from conformance.suite.checks import get_check
+
+    rec = _machine_run(model, oracle, pairing, examples=1)
+    required = [c for c in get_check("disagg-transfer").required if not c.startswith("pairing_")]
+    assert all(rec.coverage[c] > 0 for c in required + [f"pairing_{pairing}"]), rec.coverage
+    assert rec.failure is None
+
+
+def test_pooled_workers_are_built_once_and_reset_to_fresh_poison(model, oracle):
+    from conformance.harness.disagg.provenance import POISON
+    from conformance.harness.disagg.workers import WorkerPool
+
+    pool = WorkerPool(model.config, "inprocess")
+    try:
+        rec = _machine_run(model, oracle, "2to1", examples=4, pool=pool)
+        assert rec.examples >= 2 and pool.built == 1
+        layouts = ReferenceDisagg(ImplConfig(options=ops.PAIRINGS["2to1"])).disagg_layouts()
+        w, _ = pool.get(layouts)
+        assert pool.built == 1
+        for mem in (w.prefill, w.decode):
+            assert (mem.prov == POISON).all() and torch.isnan(mem.buf.view(torch.float64)).all()
+        assert not w.transport.in_flight() and not w.transport.faults
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("mutant", ["tail-not-zeroed", "failed-receive-as-success"])
+def test_a_failing_example_is_its_operations_and_replays_on_fresh_workers(model, oracle, mutant):
+    """The machine finds the bug on pooled workers; its recorded operations fail the
+    same way on fresh ones, and the minimizer shortens them (what a repro file holds)."""
+    from conformance.harness.disagg.workers import WorkerPool
+    from conformance.harness.ops import op_from_dict
+    from conformance.suite.disagg import pairing_config, replay_fails
+    from conformance.suite.minimize import minimize
+    from fault_injection.catalog import get_mutant
+
+    factory = get_mutant(mutant).wrap(ReferenceDisagg)
+    pool = WorkerPool(model.config, "inprocess")
+    try:
+        with pytest.raises(ConformanceFailure) as err:
+            _machine_run(model, oracle, "1to2", examples=20, factory=factory, pool=pool)
+    finally:
+        pool.close()
+    assert err.value.kind == "logits"
+    recorded = _LAST["recorder"].failure
+    assert recorded is not None and recorded[0].kind == "logits"
+    steps = [op_from_dict(d) for d in recorded[1]]
+    config = pairing_config("1to2", {})
+
+    def fails(candidate) -> bool:
+        exc, _ = replay_fails(factory, config, model, oracle, candidate, "inprocess")  # fresh workers
+        return exc is not None and exc.kind == "logits"
+
+    assert fails(steps)
+    short = minimize(steps, fails, budget_s=30)
+    assert len(short) <= 8 and fails(short)
+    assert not replay_fails(ReferenceDisagg, config, model, oracle, short, "inprocess")[0]  # the clean one passes
+
+
+def test_machine_options_are_checked():
+    from conformance.generate.disagg_machine import DisaggMachine
+
+    with pytest.raises(ValueError, match="armed mid-run"):
+        DisaggMachine(ReferenceDisagg, faults=("dtype-mismatch",))
+    with pytest.raises(ValueError, match="pairing"):
+        DisaggMachine(ReferenceDisagg, pairing="3to1")
+
+
 # -- the suite: the disagg family, mutants, replay ---------------------------------------------------
 def test_disagg_family_runs_in_the_quick_profile_and_says_which_transport(tmp_path):
     from conformance.suite.checks import PROFILES
@@ -224,6 +317,8 @@ def test_disagg_family_runs_in_the_quick_profile_and_says_which_transport(tmp_pa
     assert check.metrics["transport"] in check.description
     for counter in ("pairing_2to1", "pairing_1to2", "mid_block_prompt_ends", "state_shards_transferred"):
         assert check.coverage[counter] > 0
+    # Hypothesis's examples share the workers: one pair (one NIXL peer process) per layout pairing
+    assert check.metrics["workers_built"] == 2
 
 
 def test_a_disagg_mutant_is_caught_with_a_short_repro_that_replay_reproduces(tmp_path):

@@ -2,45 +2,41 @@
 transfer between them (NIXL 1.5.1 over UCX, two processes, when ``nixl``
 imports; else the in-process copy transport -- the result says which).
 
-A seeded rule-based generator draws each example's operations
-(:mod:`conformance.harness.disagg.ops`): submissions whose transferred
-prefix (N-1 tokens) ends on a block boundary of either worker, one token
-either side, or mid-block, some sharing a prefix with earlier prompts
-(prefill-side hits); steps (transfers stay in flight while other requests
-decode on reused pages); drains; and environment events on the next transfer
-(a killed peer, a dropped descriptor, a lost notification, corrupted bytes, a
-truncated tail, reordered completions), which a correct implementation
-survives by recomputing.  Examples alternate the two layout pairings.  Each
-example is judged by :class:`~conformance.harness.disagg.session.DisaggSession`:
-decode logits against the no-cache reference, every byte a decode step reads
-audited, nothing held once every request finished.  A failure is minimized
-by replaying subsets of its operations on fresh workers.
+Hypothesis drives :class:`~conformance.generate.disagg_machine.DisaggMachine`
+once per layout pairing (so both pairings run in every check, whatever the
+draws): prompts whose transferred prefix ends on, beside or inside a block of
+either worker, shared prefixes (prefill-side hits), decode continuing, single
+steps with transfers in flight while other requests decode on reused pages,
+aborts mid-transfer, and environment faults on the next transfer.  Every
+example is judged by :class:`~conformance.harness.disagg.session.DisaggSession`
+and recorded as operations (:mod:`conformance.harness.disagg.ops`).  A
+failure is shrunk by Hypothesis (``shrink="hypothesis"``), then minimized by
+replaying subsets of its operations (with ``shrink="ops"``, the mutants'
+self-check, only the latter).
 
-Workers are built once per pairing and check, and reused by its examples:
-their memory is never cleared, so later examples meet earlier ones' bytes.
+Workers (memories, transport, the NIXL peer process) are built once per
+pairing and check, from a :class:`~conformance.harness.disagg.workers.WorkerPool`,
+and reset to fresh poison for each example and each replay of a minimization:
+an example replays on fresh workers exactly as it ran (``replay``).
 """
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import asdict
 
-from conformance.contract import ImplConfig
-from conformance.errors import ConformanceFailure
-from conformance.harness.disagg import ops as dops
-from conformance.harness.disagg.session import COUNTERS, DisaggSession
-from conformance.harness.disagg.workers import Workers, build_workers, make_transport
-from conformance.harness.ops import op_to_dict
-from conformance.results.records import CheckResult, Failure
+from hypothesis import seed as hypothesis_seed
+from hypothesis.stateful import get_state_machine_test
 
-ARMABLE = ("kill-peer", "drop-descriptor", "lose-notification", "corrupt-bytes", "truncate-tail",
-           "reorder-completions")
-# Transferred prefix lengths T (prompts are T+1 tokens: prefill stops at N-1):
-# on, one before and one after 16- and 32-token boundaries, and mid-block.
-PREFIX_ENDS = (15, 16, 17, 31, 32, 33, 47, 48, 8, 20, 40)
-SHARED = (0, 16, 32, 48)  # shared-prefix tokens: prefill-side hits at 16- and 32-token boundaries
-MAX_ACTIVE = 3
+from conformance.contract import ImplConfig
+from conformance.errors import ConformanceFailure, ImplementationError, UsageError
+from conformance.generate.disagg_machine import DisaggMachine, recorder_for_disagg
+from conformance.generate.machine import hypothesis_settings, stable_draws
+from conformance.harness.disagg import ops as dops
+from conformance.harness.disagg.session import DisaggSession
+from conformance.harness.disagg.workers import WorkerPool
+from conformance.harness.ops import op_from_dict, op_to_dict
+from conformance.results.records import CheckResult, Failure
 
 
 def disagg_factory_of(factory):
@@ -60,31 +56,7 @@ def transport_kind() -> str:
     return os.environ.get("HCC_DISAGG_TRANSPORT", "auto")  # auto | nixl | inprocess
 
 
-def generate(rng: random.Random, steps: int, example: int) -> list:
-    """One example's operations (deterministic in ``rng``)."""
-    out, active, n, armed = [], 0, 0, False
-    for _ in range(steps):
-        roll = rng.random()
-        if active < MAX_ACTIVE and (roll < 0.45 or active == 0):
-            T = rng.choice(PREFIX_ENDS)
-            out.append(dops.Submit(f"e{example}r{n}", T + 1, rng.choice(SHARED), rng.choice((1, 2, 3))))
-            n += 1
-            active += 1
-        elif roll < 0.75:
-            out.append(dops.Step(rng.choice((1, 1, 2))))
-        elif roll < 0.85 and not armed:
-            out.append(dops.ArmFault(rng.choice(ARMABLE)))
-            armed = True
-        elif roll < 0.9 and n:
-            out.append(dops.Abort(f"e{example}r{rng.randrange(n)}"))  # maybe mid-transfer
-        else:
-            out.append(dops.Drain())
-            active, armed = 0, False
-    out.append(dops.Drain())
-    return out
-
-
-def _pairing_config(pairing: str, impl_options: dict) -> ImplConfig:
+def pairing_config(pairing: str, impl_options: dict) -> ImplConfig:
     return ImplConfig(options={**dops.PAIRINGS[pairing], **impl_options})
 
 
@@ -96,9 +68,13 @@ def apply_all(session: DisaggSession, ops: list) -> int:
     return len(ops)
 
 
-def replay_fails(dfactory, impl_config: ImplConfig, model, oracle, ops: list, kind: str = "auto"):
-    """Apply ``ops`` to a fresh session on fresh workers; (failure or None, session)."""
-    session = DisaggSession(dfactory(impl_config), model, oracle, kind)
+def replay_fails(dfactory, impl_config: ImplConfig, model, oracle, ops: list, kind: str = "auto",
+                 pool: WorkerPool | None = None):
+    """Apply ``ops`` to a fresh session (on ``pool``'s workers, reset, or fresh
+    ones); (failure or None, session)."""
+    impl = dfactory(impl_config)
+    reuse = pool.get(impl.disagg_layouts())[0] if pool is not None else None
+    session = DisaggSession(impl, model, oracle, kind, reuse=reuse)
     try:
         apply_all(session, ops)
     except ConformanceFailure as exc:
@@ -108,78 +84,110 @@ def replay_fails(dfactory, impl_config: ImplConfig, model, oracle, ops: list, ki
     return None, session
 
 
-def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, notify=lambda *a, **k: None):
-    from conformance.suite.minimize import minimize
+def examples_per_pairing(opts, profile) -> int:
+    """Hypothesis examples per layout pairing: half of ``--examples``, else a sixth
+    of the profile's (each example runs two workers, transfers and byte audits).
+    Not fewer than 4 by default: Hypothesis's first examples are its simplest one
+    (which already reaches every required situation, see the machine's rules)
+    and a few nearly empty ones that cost nothing; the random ones come after."""
+    if opts.examples:
+        return max(1, -(-opts.examples // len(dops.PAIRINGS)))
+    return max(4, profile.examples // 6)
 
+
+def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, notify=lambda *a, **k: None):
     dfactory = disagg_factory_of(factory)
     if dfactory is None:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            reason="the implementation has no disaggregated mode (no disagg_factory class "
                                   "attribute, no disagg_layouts())")
-    examples = opts.examples or max(4, profile.examples // 4)
+    per_pairing = examples_per_pairing(opts, profile)
     steps = opts.steps or profile.steps
-    rng = random.Random(opts.seed * 1000 + index)
     kind = transport_kind()
+    recorder = recorder_for_disagg(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
+                                                                steps=r.steps, of=per_pairing * len(dops.PAIRINGS)))
     started = time.perf_counter()
-    coverage = dict.fromkeys(COUNTERS, 0)
-    workers: dict[str, Workers] = {}
-    status, failure, name, why, ran, nsteps = "passed", None, "", "", 0, 0
+    pool = WorkerPool(model.config, kind)
+    status, failure, config = "passed", None, None
+    names: list[str] = []
+    whys: list[str] = []
     try:
-        for e in range(examples):
-            pairing = sorted(dops.PAIRINGS)[e % 2]
-            config = _pairing_config(pairing, opts.impl_options)
-            impl = dfactory(config)
-            if pairing not in workers:
-                tr, why = make_transport(kind)
-                workers[pairing] = build_workers(impl.disagg_layouts(), model.config, tr)
-                name = tr.name
-            ops = generate(rng, steps, e)
-            session = DisaggSession(impl, model, oracle, kind, reuse=workers[pairing])
-            session.applied = 0
-            ran += 1
+        for i, pairing in enumerate(sorted(dops.PAIRINGS)):
+            config = pairing_config(pairing, opts.impl_options)
+            machines: list[DisaggMachine] = []
+
+            def machine(pairing=pairing, machines=machines):
+                m = DisaggMachine(dfactory, model=model, oracle=oracle, pairing=pairing,
+                                  impl_options=opts.impl_options, transport=kind, workers=pool, recorder=recorder)
+                machines.append(m)
+                return m
+
+            test = get_state_machine_test(machine, settings=hypothesis_settings(
+                per_pairing, steps, shrink=opts.shrink == "hypothesis"))
+            # one seed per check and pairing: the two pairings explore different draws
+            test = hypothesis_seed((opts.seed * 1000 + index) * len(dops.PAIRINGS) + i)(test)
             try:
-                apply_all(session, ops)
-            except ConformanceFailure as exc:
-                steps_done = ops[: session.applied + 1]
-                failure = Failure(kind=exc.kind, message=str(exc), steps=[op_to_dict(o) for o in steps_done],
-                                  examples_to_failure=ran, seconds_to_failure=round(time.perf_counter() - started, 3),
+                with stable_draws():
+                    test()
+            except (ConformanceFailure, ImplementationError) as exc:
+                status = "error" if isinstance(exc, ImplementationError) else "failed"
+                steps_data, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
+                first = recorder.first_failure or (None, None)
+                failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
+                                  examples_to_failure=first[0], seconds_to_failure=first[1],
                                   impl_config=asdict(config))
-                status = "failed"
-                if opts.shrink == "ops":
-                    _minimize(failure, dfactory, config, model, oracle, steps_done, kind, minimize)
-                break
+                if opts.shrink != "none" and steps_data:
+                    # "ops": instead of Hypothesis's shrinking; "hypothesis": after it, which
+                    # leaves whole compound rules and idle steps behind (replays here are cheap:
+                    # the pool's workers, no new peer process)
+                    _minimize(failure, dfactory, config, model, oracle, kind, pool)
+            except UsageError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, never a pass
+                status = "error"
+                failure = Failure(kind="harness", message=f"{type(exc).__name__}: {exc}",
+                                  steps=recorder.failure[1] if recorder.failure else [], impl_config=asdict(config))
             finally:
-                nsteps += session.coverage["steps"]
-                for k, v in session.coverage.items():
-                    coverage[k] += v
-                session.close()
-            notify("example", check=spec.id, examples=ran, steps=nsteps, of=examples)
+                for m in machines[-1:]:
+                    if m.transport_name and m.transport_name not in names:
+                        names.append(m.transport_name)
+                        whys.append(m.transport_why)
+            if failure is not None:
+                break
     finally:
-        for w in workers.values():
-            w.close()
+        pool.close()
     if status == "passed":
-        missing = [c for c in spec.required if coverage.get(c, 0) == 0]
+        missing = [c for c in spec.required if recorder.coverage.get(c, 0) == 0]
         if missing:
             status = "failed"
             failure = Failure(kind="coverage", message=f"the {spec.family} situation never occurred: "
-                                                       f"{', '.join(missing)} stayed at 0 over {ran} examples")
+                                                       f"{', '.join(missing)} stayed at 0 over {recorder.examples} "
+                                                       f"examples")
+    name, why = " + ".join(names) or kind, "; ".join(dict.fromkeys(whys))
     return CheckResult(id=spec.id, family=spec.family, status=status,
-                       description=f"{spec.description} [transport: {name or kind}]",
-                       examples=ran, steps=nsteps, seconds=round(time.perf_counter() - started, 3),
-                       coverage=coverage, failure=failure, metrics={"transport": name, "transport_why": why})
+                       description=f"{spec.description} [transport: {name}]",
+                       examples=recorder.examples, steps=recorder.steps,
+                       seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
+                       failure=failure, metrics={"transport": name, "transport_why": why,
+                                                  "workers_built": pool.built, "peer_starts": pool.peer_starts})
 
 
-def _minimize(failure: Failure, dfactory, config, model, oracle, ops, kind, minimize) -> None:
+def _minimize(failure: Failure, dfactory, config, model, oracle, kind, pool) -> None:
+    """Shorten ``failure.steps`` by replaying subsets (same failure kind) on the pool's workers."""
+    from conformance.suite.minimize import minimize
+
     def still_fails(candidate) -> bool:
-        exc, _ = replay_fails(dfactory, config, model, oracle, candidate, kind)
+        exc, _ = replay_fails(dfactory, config, model, oracle, candidate, kind, pool)
         return exc is not None and exc.kind == failure.kind
 
+    ops = [op_from_dict(d) for d in failure.steps]
     if not still_fails(ops):
-        return  # it depended on bytes an earlier example left behind: keep it whole
-    best = minimize(list(ops), still_fails, budget_s=60.0)
-    exc, _ = replay_fails(dfactory, config, model, oracle, best, kind)
+        return  # not reproducible by replay: keep it as it ran
+    best = minimize(ops, still_fails, budget_s=60.0)
+    exc, session = replay_fails(dfactory, config, model, oracle, best, kind, pool)
     failure.steps = [op_to_dict(o) for o in best]
     failure.message = str(exc)
+    failure.events = [{"event": "fault", **asdict(e)} for e in session.events]
 
 
 def replay_disagg(repro, factory, model, outcome):

@@ -149,6 +149,19 @@ class NixlTransport(Transport):
         self._seen.clear()
         self._spawn()
 
+    def reset(self) -> None:
+        """A new scenario on the same agents: a dead peer is replaced, and notifications
+        a previous scenario left behind are drained (transfer ids restart with a new
+        implementation, so a stale tag could otherwise pass for a new transfer's)."""
+        super().reset()
+        self._recover()
+        self._seen.clear()
+        self.prefill_notifs.clear()
+        try:
+            self._call("notifs")
+        except TransferError:
+            self._recover()
+
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:

@@ -46,6 +46,9 @@ class ArmFault:
 
 Op = Submit | Step | Drain | Abort | ArmFault
 
+# The faults a scenario can arm mid-run (the dtype mismatch fires at the metadata exchange only).
+ARMABLE = tuple(k for k in FAULT_KINDS if k != "dtype-mismatch")
+
 
 def prompt_for(op: Submit, seed: int, shared_prefix: tuple[int, ...], vocab: int) -> tuple[int, ...]:
     """Deterministic tokens: the shared prefix's first ``shared`` tokens, then

@@ -55,6 +55,7 @@ class DisaggSession:
     reuse: Workers | None = None  # workers built earlier (memory and transport; never cleared)
     coverage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     log: list[str] = field(default_factory=list)
+    applied: int = 0  # index of the operation being applied (a failure names it)
 
     def __post_init__(self) -> None:
         for m in ("disagg_layouts", "connect", "add_request", "schedule", "update", "abort"):
@@ -70,6 +71,7 @@ class DisaggSession:
             tr, self.transport_why = self.workers.transport, "reused"
             tr.reset()
         self.transport_name = tr.name
+        self._events_from = len(tr.events)  # reused workers: earlier sessions' fault events are theirs
         self.impl.connect(self.workers.handshake)
         self.tracks: dict[str, _Track] = {}
         p, d = self.layouts.prefill.state_shards, self.layouts.decode.state_shards
@@ -80,7 +82,16 @@ class DisaggSession:
 
     @property
     def events(self):
-        return self.workers.transport.events
+        """The fault events of this session (a transport reused across sessions keeps all of them)."""
+        return self.workers.transport.events[self._events_from:]
+
+    def active(self) -> list[str]:
+        """Requests submitted and not finished or aborted, in submission order."""
+        return [rid for rid, t in self.tracks.items() if not t.done]
+
+    def in_flight(self) -> list[str]:
+        """Requests whose transfer is in flight now (submitted, not every chunk posted)."""
+        return [f.transfer.request_id for f in self.workers.transport._flights]
 
     def close(self) -> None:
         if self._own_workers:

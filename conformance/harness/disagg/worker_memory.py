@@ -46,10 +46,18 @@ class WorkerMemory:
         self.buf = buffer if buffer is not None else allocate_buffer(g.buffer_bytes, shared_path)
         if self.buf.numel() != g.buffer_bytes or self.buf.dtype != torch.uint8:
             raise ValueError(f"{self.name}: buffer must be {g.buffer_bytes} uint8 bytes")
-        self.buf.view(torch.float64).fill_(float("nan"))
-        self.prov = torch.full((g.buffer_bytes,), POISON, dtype=torch.int32)
+        self.prov = torch.empty((g.buffer_bytes,), dtype=torch.int32)
+        self.poison()
         self.state_dtype = DTYPES[g.layout.state_dtype]
         self._conv_idx, self._ssm_idx = self._state_index()
+
+    def poison(self) -> None:
+        """Back to the state of a fresh allocation: NaN bytes, labelled never written.
+        A worker reused for a new, independent scenario (a state machine's next
+        example) starts from what a fresh one would hold, so the scenario replays
+        the same on fresh workers."""
+        self.buf.view(torch.float64).fill_(float("nan"))
+        self.prov.fill_(POISON)
 
     def close(self) -> None:
         if self.shared_path and os.path.exists(self.shared_path):

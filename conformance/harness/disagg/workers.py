@@ -46,10 +46,51 @@ class Workers:
     def of(self, worker: str) -> WorkerMemory:
         return self.prefill if worker == "prefill" else self.decode
 
+    def reset(self) -> None:
+        """Ready for a new, independent scenario: memory back to fresh poison, the
+        transport's flights and armed faults forgotten (its processes stay up)."""
+        self.prefill.poison()
+        self.decode.poison()
+        self.transport.reset()
+
     def close(self) -> None:
         self.transport.close()
         self.prefill.close()
         self.decode.close()
+
+
+class WorkerPool:
+    """Workers built once per pair of layouts and handed out reset, so a check
+    (or a state machine's run) starts the NIXL peer process once per layout
+    pairing, not once per example or per replay of a minimization (a peer
+    takes about a second to start).  Reset memory is what fresh memory is
+    (poison), so a scenario run on pooled workers replays the same on fresh
+    ones (``replay``)."""
+
+    def __init__(self, model: ModelConfig, kind: str = "auto"):
+        self.model = model
+        self.kind = kind
+        self._workers: dict[DisaggLayouts, tuple[Workers, str]] = {}
+        self.built = 0  # pairs of workers (and transports) built: one per layout pair
+        self.peer_starts = 0  # NIXL peer processes started (a killed peer is replaced), once closed
+
+
+    def get(self, layouts: DisaggLayouts) -> tuple[Workers, str]:
+        """(reset workers for ``layouts``, why this transport)."""
+        found = self._workers.get(layouts)
+        if found is None:
+            transport, why = make_transport(self.kind)
+            found = self._workers[layouts] = (build_workers(layouts, self.model, transport), why)
+            self.built += 1
+        else:
+            found[0].reset()
+        return found
+
+    def close(self) -> None:
+        for workers, _ in self._workers.values():
+            self.peer_starts += getattr(workers.transport, "spawns", 0)
+            workers.close()
+        self._workers.clear()
 
 
 def _shm_path() -> str:

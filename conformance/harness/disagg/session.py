@@ -71,7 +71,9 @@ class DisaggSession:
             tr, self.transport_why = self.workers.transport, "reused"
             tr.reset()
         self.transport_name = tr.name
-        self._events_from = len(tr.events)  # reused workers: earlier sessions' fault events are theirs
+        # reused workers: earlier sessions' fault events are theirs (own ones: the metadata
+        # exchange's, a dtype mismatch, are this session's)
+        self._events_from = len(tr.events) if self.reuse is not None else 0
         self.impl.connect(self.workers.handshake)
         self.tracks: dict[str, _Track] = {}
         p, d = self.layouts.prefill.state_shards, self.layouts.decode.state_shards

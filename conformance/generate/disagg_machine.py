@@ -134,18 +134,24 @@ class DisaggMachine(RuleBasedStateMachine):
     def start(self, pairing):
         self.pairing = self.fixed_pairing or pairing
         self.impl_config = ImplConfig(options={**dops.PAIRINGS[self.pairing], **self.impl_options})
-        impl = self.factory(self.impl_config)
-        if self.pool is not None:
-            workers, self.transport_why = self.pool.get(impl.disagg_layouts())
-            self.session = DisaggSession(impl, self.model, self.oracle, self.transport, reuse=workers)
-        else:
-            self.session = DisaggSession(impl, self.model, self.oracle, self.transport)
-            self.transport_why = self.session.transport_why
-        self.transport_name = self.session.transport_name
-        self.session.applied = 0
-        note(f"pairing {self.pairing}: {self.impl_config.options} over {self.transport_name}")
-        layouts = self.session.layouts
-        self.block = {PREFILL: layouts.prefill.block_size, DECODE: layouts.decode.block_size}
+
+    def open(self) -> DisaggSession:
+        """The session, built when the first operation needs it: Hypothesis runs
+        examples that never get past their first choice, and an implementation
+        (two vLLM schedulers) and a reset of the workers are not free."""
+        if self.session is None:
+            impl = self.factory(self.impl_config)
+            if self.pool is not None:
+                workers, self.transport_why = self.pool.get(impl.disagg_layouts())
+                self.session = DisaggSession(impl, self.model, self.oracle, self.transport, reuse=workers)
+            else:
+                self.session = DisaggSession(impl, self.model, self.oracle, self.transport)
+                self.transport_why = self.session.transport_why
+            self.transport_name = self.session.transport_name
+            note(f"pairing {self.pairing}: {self.impl_config.options} over {self.transport_name}")
+            layouts = self.session.layouts
+            self.block = {PREFILL: layouts.prefill.block_size, DECODE: layouts.decode.block_size}
+        return self.session
 
     def apply(self, op: dops.Op) -> None:
         note(repr(op))
@@ -164,15 +170,14 @@ class DisaggMachine(RuleBasedStateMachine):
             raise
 
     def teardown(self):
-        if self.session is None:
-            return
         try:
-            if not self.failed and (self.session.active() or self.session.in_flight()):
+            if self.session is not None and not self.failed and (self.active() or self.session.in_flight()):
                 self.apply(dops.Drain())  # every request finishes: the leak check runs
         finally:
-            for k, v in self.session.coverage.items():
-                self.recorder.coverage[k] = self.recorder.coverage.get(k, 0) + v
-            self.session.close()
+            if self.session is not None:
+                for k, v in self.session.coverage.items():
+                    self.recorder.coverage[k] = self.recorder.coverage.get(k, 0) + v
+                self.session.close()
             if self.recorder.on_example:
                 self.recorder.on_example(self.recorder)
 
@@ -181,8 +186,11 @@ class DisaggMachine(RuleBasedStateMachine):
         self.next_id += 1
         return rid
 
+    def active(self) -> list[str]:
+        return self.session.active() if self.session is not None else []
+
     def busy(self) -> bool:
-        return self.session is not None and bool(self.session.active())
+        return bool(self.active())
 
     def prefix_len(self, anchor: str, blocks: int, end: str) -> int:
         """Tokens the prefill side transfers: ``blocks`` of the anchor worker's
@@ -197,17 +205,17 @@ class DisaggMachine(RuleBasedStateMachine):
                 "mid-block": Bp + small // 2}[share]
 
     # -- rules ------------------------------------------------------------------------------
-    @precondition(lambda self: self.session is not None and len(self.session.active()) < self.max_active)
+    @precondition(lambda self: len(self.active()) < self.max_active)
     @rule(anchor=st.sampled_from((PREFILL, DECODE)), blocks=st.integers(1, 2),
           end=st.sampled_from(ENDS), share=st.sampled_from(SHARES), max_new=st.integers(1, 4))
     def submit(self, anchor, blocks, end, share, max_new):
         """A prompt whose transferred prefix ends on, beside or inside a block of
         either worker, maybe sharing a prefix with earlier prompts."""
+        self.open()
         n = self.prefix_len(anchor, blocks, end) + 1
         self.apply(dops.Submit(self.new_id(), n, self.shared_len(share, n), max_new))
 
-    @precondition(lambda self: self.session is not None and not self.session.active()
-                  and self.overlaps < MAX_OVERLAPS and self.max_active >= 2)
+    @precondition(lambda self: not self.active() and self.overlaps < MAX_OVERLAPS and self.max_active >= 2)
     @rule(blocks=st.integers(1, 2), end=st.sampled_from(ENDS), share=st.sampled_from(SHARES),
           lag=st.integers(2, 3))
     def overlap(self, blocks, end, share, lag):
@@ -217,6 +225,7 @@ class DisaggMachine(RuleBasedStateMachine):
         ``share`` says (B hits what A's prefill cached).  The reference takes 2-3
         steps from submission to its first decode step; another implementation's
         timing may differ, which only changes how often the situation occurs."""
+        self.open()
         self.overlaps += 1
         a = self.prefix_len(PREFILL, blocks, end) + 1
         self.apply(dops.Submit(self.new_id(), a, self.shared_len(share, a), 3))

@@ -109,18 +109,13 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
     started = time.perf_counter()
     pool = WorkerPool(model.config, kind)
     status, failure, config = "passed", None, None
-    names: list[str] = []
-    whys: list[str] = []
     try:
         for i, pairing in enumerate(sorted(dops.PAIRINGS)):
             config = pairing_config(pairing, opts.impl_options)
-            machines: list[DisaggMachine] = []
 
-            def machine(pairing=pairing, machines=machines):
-                m = DisaggMachine(dfactory, model=model, oracle=oracle, pairing=pairing,
-                                  impl_options=opts.impl_options, transport=kind, workers=pool, recorder=recorder)
-                machines.append(m)
-                return m
+            def machine(pairing=pairing):
+                return DisaggMachine(dfactory, model=model, oracle=oracle, pairing=pairing,
+                                     impl_options=opts.impl_options, transport=kind, workers=pool, recorder=recorder)
 
             test = get_state_machine_test(machine, settings=hypothesis_settings(
                 per_pairing, steps, shrink=opts.shrink == "hypothesis"))
@@ -147,11 +142,6 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
                 status = "error"
                 failure = Failure(kind="harness", message=f"{type(exc).__name__}: {exc}",
                                   steps=recorder.failure[1] if recorder.failure else [], impl_config=asdict(config))
-            finally:
-                for m in machines[-1:]:
-                    if m.transport_name and m.transport_name not in names:
-                        names.append(m.transport_name)
-                        whys.append(m.transport_why)
             if failure is not None:
                 break
     finally:
@@ -163,7 +153,8 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
             failure = Failure(kind="coverage", message=f"the {spec.family} situation never occurred: "
                                                        f"{', '.join(missing)} stayed at 0 over {recorder.examples} "
                                                        f"examples")
-    name, why = " + ".join(names) or kind, "; ".join(dict.fromkeys(whys))
+    name = " + ".join(dict.fromkeys(n for n, _ in pool.transports)) or kind
+    why = "; ".join(dict.fromkeys(w for _, w in pool.transports))
     return CheckResult(id=spec.id, family=spec.family, status=status,
                        description=f"{spec.description} [transport: {name}]",
                        examples=recorder.examples, steps=recorder.steps,

@@ -72,6 +72,7 @@ class WorkerPool:
         self.kind = kind
         self._workers: dict[DisaggLayouts, tuple[Workers, str]] = {}
         self.built = 0  # pairs of workers (and transports) built: one per layout pair
+        self.transports: list[tuple[str, str]] = []  # (name, why this one) of each transport built
         self.peer_starts = 0  # NIXL peer processes started (a killed peer is replaced), once closed
 
 
@@ -82,6 +83,7 @@ class WorkerPool:
             transport, why = make_transport(self.kind)
             found = self._workers[layouts] = (build_workers(layouts, self.model, transport), why)
             self.built += 1
+            self.transports.append((transport.name, why))
         else:
             found[0].reset()
         return found

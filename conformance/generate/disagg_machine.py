@@ -77,10 +77,13 @@ PAIRING_NAMES = tuple(sorted(dops.PAIRINGS))
 # whose precondition holds in its own order (fewest arguments first): drain when
 # busy, else ``overlap`` (twice), then ``submit``.  So the simplest example of
 # either pairing is "overlap, drain, overlap, drain, submit, drain, ...": mid-block
-# prefixes transferred shard by shard, prefill-side hits, a transfer in flight
-# while another request decodes -- every situation the check requires, for any
-# seed; the random examples after it explore the rest.
+# and on-boundary prefixes transferred shard by shard, prefill-side hits, a
+# transfer in flight while another request decodes -- every situation the check
+# requires, for any seed; the random examples after it explore the rest.
 ENDS = ("mid", "on", "before", "after")
+# ``submit`` starts from the boundary instead, so the simplest example also
+# transfers prefixes that end exactly on a block of both workers.
+SUBMIT_ENDS = ("on", "before", "after", "mid")
 # How a prompt shares the scenario's common prefix: not at all, entirely, up to
 # one or two prefill blocks, or diverging mid-block (a hit stops at the block).
 SHARES = ("whole", "none", "one-block", "two-blocks", "mid-block")
@@ -207,7 +210,7 @@ class DisaggMachine(RuleBasedStateMachine):
     # -- rules ------------------------------------------------------------------------------
     @precondition(lambda self: len(self.active()) < self.max_active)
     @rule(anchor=st.sampled_from((PREFILL, DECODE)), blocks=st.integers(1, 2),
-          end=st.sampled_from(ENDS), share=st.sampled_from(SHARES), max_new=st.integers(1, 4))
+          end=st.sampled_from(SUBMIT_ENDS), share=st.sampled_from(SHARES), max_new=st.integers(1, 4))
     def submit(self, anchor, blocks, end, share, max_new):
         """A prompt whose transferred prefix ends on, beside or inside a block of
         either worker, maybe sharing a prefix with earlier prompts."""

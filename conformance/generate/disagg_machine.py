@@ -74,12 +74,13 @@ PAIRING_NAMES = tuple(sorted(dops.PAIRINGS))
 # The first value of each is what Hypothesis's simplest example draws and what
 # shrinking moves toward: a mid-block prompt taken whole from the common prefix.
 # Hypothesis always runs its simplest example first, and it picks the first rule
-# whose precondition holds in its own order (fewest arguments first): drain when
-# busy, else ``overlap`` (twice), then ``submit``.  So the simplest example of
-# either pairing is "overlap, drain, overlap, drain, submit, drain, ...": mid-block
-# and on-boundary prefixes transferred shard by shard, prefill-side hits, a
-# transfer in flight while another request decodes -- every situation the check
-# requires, for any seed; the random examples after it explore the rest.
+# whose precondition holds in its own order (fewest arguments first, then by
+# name): arm_fault or drain when busy, else ``overlap`` (twice), then ``submit``.
+# So the simplest example of either pairing is "overlap, arm, drain, overlap, arm,
+# drain, submit, drain, ...": mid-block and on-boundary prefixes transferred shard
+# by shard, prefill-side hits, a transfer in flight while another request decodes,
+# failed transfers recomputed -- every situation the check requires, for any seed;
+# the random examples after it explore the rest.
 ENDS = ("mid", "on", "before", "after")
 # ``submit`` starts from the boundary instead, so the simplest example also
 # transfers prefixes that end exactly on a block of both workers.
@@ -89,6 +90,7 @@ SUBMIT_ENDS = ("on", "before", "after", "mid")
 SHARES = ("whole", "none", "one-block", "two-blocks", "mid-block")
 MAX_ACTIVE = 3
 MAX_OVERLAPS = 2  # per example: the rest of it is free draws
+MAX_ARMS = 2  # faults armed per example (a lost notification costs its deadline, a killed peer a restart)
 
 
 def recorder_for_disagg(**kwargs) -> Recorder:
@@ -128,6 +130,8 @@ class DisaggMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.failed = False
         self.overlaps = 0
+        self.arms = 0
+        self.next_fault: str | None = None
         self.armed_at: int | None = None  # submission index the armed fault fires on
         self.transport_name = self.transport_why = ""
         self.recorder.examples += 1
@@ -257,13 +261,23 @@ class DisaggMachine(RuleBasedStateMachine):
         pick = (mid_transfer and self.session.in_flight()) or self.session.active()
         self.apply(dops.Abort(pick[which % len(pick)]))
 
-    @precondition(lambda self: self.busy() and bool(self.faults)
-                  and (self.armed_at is None or self.session.workers.transport._submitted > self.armed_at))
+    @precondition(lambda self: self.busy() and bool(self.faults))
     @rule(which=st.integers(0, len(dops.ARMABLE) - 1))
-    def arm_fault(self, which):
-        """The environment fails the next transfer (one armed fault at a time)."""
+    def choose_fault(self, which):
+        """Which fault ``arm_fault`` arms next (no operation of its own)."""
+        self.next_fault = self.faults[which % len(self.faults)]
+
+    @precondition(lambda self: self.busy() and bool(self.faults) and self.arms < MAX_ARMS
+                  and (self.armed_at is None or self.session.workers.transport._submitted > self.armed_at))
+    @rule()
+    def arm_fault(self):
+        """The environment fails the next transfer (one armed fault at a time).
+        No arguments, so Hypothesis orders it before ``drain`` and its simplest
+        example arms one (the first of ``faults``): a bug that only shows when a
+        transfer fails is within reach of every seed's first example."""
+        self.arms += 1
         self.armed_at = self.session.workers.transport._submitted
-        self.apply(dops.ArmFault(self.faults[which % len(self.faults)]))
+        self.apply(dops.ArmFault(self.next_fault or self.faults[0]))
 
     @invariant()
     def harness_bookkeeping_is_sane(self):

@@ -30,11 +30,14 @@ What the rules draw:
   diverging mid-block) with earlier ones: prefill-side prefix hits before the
   transfer;
 - decode continuing for up to 4 tokens; single steps, so transfers (one chunk
-  per step) stay in flight while other requests decode on reused pages;
-  aborts, some of a request whose transfer is in flight;
+  per step) stay in flight while other requests decode on reused pages, and
+  staggered pairs (``overlap``) where that happens by construction; aborts,
+  some of a request whose transfer is in flight;
 - environment faults on the next transfer (``faults``: a killed peer, a
   dropped descriptor, a truncated tail, corrupted bytes, reordered
   completions, a lost notification), which a correct implementation survives.
+  The dtype mismatch fires at the metadata exchange, before any rule: it is a
+  transport option (``FaultSpec``), not a rule.
 
 Each example ends with a drain (a recorded operation), so every request
 finishes and the leak check runs.  Prompt lengths are computed from the

@@ -29,14 +29,15 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import get_state_machine_test
 
 from conformance.contract import ImplConfig
-from conformance.errors import ConformanceFailure, ImplementationError, UsageError
+from conformance.errors import ConformanceFailure, UsageError
 from conformance.generate.disagg_machine import DisaggMachine, recorder_for_disagg
-from conformance.generate.machine import hypothesis_settings, stable_draws
+from conformance.generate.machine import hypothesis_settings
 from conformance.harness.disagg import ops as dops
 from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.workers import WorkerPool
 from conformance.harness.ops import op_from_dict, op_to_dict
 from conformance.results.records import CheckResult, Failure
+from conformance.suite.verdict import coverage_failure, run_machine
 
 
 def disagg_factory_of(factory):
@@ -121,38 +122,21 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
                 per_pairing, steps, shrink=opts.shrink == "hypothesis"))
             # one seed per check and pairing: the two pairings explore different draws
             test = hypothesis_seed((opts.seed * 1000 + index) * len(dops.PAIRINGS) + i)(test)
-            try:
-                with stable_draws():
-                    test()
-            except (ConformanceFailure, ImplementationError) as exc:
-                status = "error" if isinstance(exc, ImplementationError) else "failed"
-                steps_data, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
-                first = recorder.first_failure or (None, None)
-                failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
-                                  examples_to_failure=first[0], seconds_to_failure=first[1],
-                                  impl_config=asdict(config))
-                if opts.shrink != "none" and steps_data:
+            status, failure = run_machine(test, recorder)
+            if failure is not None:
+                failure.impl_config = asdict(config)
+                if failure.kind != "harness" and opts.shrink != "none" and failure.steps:
                     # "ops": instead of Hypothesis's shrinking; "hypothesis": after it, which
                     # leaves whole compound rules and idle steps behind (replays here are cheap:
                     # the pool's workers, no new peer process)
                     _minimize(failure, dfactory, config, model, oracle, kind, pool)
-            except UsageError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, never a pass
-                status = "error"
-                failure = Failure(kind="harness", message=f"{type(exc).__name__}: {exc}",
-                                  steps=recorder.failure[1] if recorder.failure else [], impl_config=asdict(config))
             if failure is not None:
                 break
     finally:
         pool.close()
     if status == "passed":
-        missing = [c for c in spec.required if recorder.coverage.get(c, 0) == 0]
-        if missing:
-            status = "failed"
-            failure = Failure(kind="coverage", message=f"the {spec.family} situation never occurred: "
-                                                       f"{', '.join(missing)} stayed at 0 over {recorder.examples} "
-                                                       f"examples")
+        failure = coverage_failure(spec, recorder)
+        status = "failed" if failure is not None else status
     name = " + ".join(dict.fromkeys(n for n, _ in pool.transports)) or kind
     why = "; ".join(dict.fromkeys(w for _, w in pool.transports))
     return CheckResult(id=spec.id, family=spec.family, status=status,
@@ -183,7 +167,7 @@ def _minimize(failure: Failure, dfactory, config, model, oracle, kind, pool) -> 
 
 def replay_disagg(repro, factory, model, outcome):
     """Replay a disagg repro on fresh workers (transport as in a run: NIXL when it imports)."""
-    from conformance.errors import ReproFormatError, UsageError
+    from conformance.errors import ReproFormatError
     from conformance.harness.oracle import Oracle
 
     dfactory = disagg_factory_of(factory)

@@ -11,8 +11,8 @@ from pathlib import Path
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import get_state_machine_test
 
-from conformance.errors import ConformanceFailure, ImplementationError, UsageError
-from conformance.generate.machine import HybridCacheMachine, Recorder, hypothesis_settings, stable_draws
+from conformance.errors import ImplementationError
+from conformance.generate.machine import HybridCacheMachine, Recorder, hypothesis_settings
 from conformance.generate.spec import CheckSpec
 from conformance.harness.guard import guarded
 from conformance.harness.oracle import Oracle
@@ -22,6 +22,7 @@ from conformance.results import report
 from conformance.results.records import CheckResult, Failure, RunResult
 from conformance.suite.config_matrix import parse_variant_id
 from conformance.suite.options import RunOptions
+from conformance.suite.verdict import coverage_failure, run_machine
 
 
 def record_check(out: Path | None, result: RunResult, res: CheckResult) -> None:
@@ -129,31 +130,13 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         examples, steps, shrink=opts.shrink in ("hypothesis", "hypothesis+ops")))
     test = hypothesis_seed(opts.seed * 1000 + index)(test)
     started = time.perf_counter()
-    status, failure = "passed", None
-    try:
-        with stable_draws():
-            test()
-    except (ConformanceFailure, ImplementationError) as exc:
-        status = "error" if isinstance(exc, ImplementationError) else "failed"
-        steps_data, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
-        first = recorder.first_failure or (None, None)
-        failure = Failure(kind=exc.kind, message=str(exc), steps=steps_data, events=events[-12:],
-                          examples_to_failure=first[0], seconds_to_failure=first[1])
-        if opts.shrink in ("ops", "hypothesis+ops") and steps_data:
-            minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
-    except UsageError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, not swallowed silently
-        status = "error"
-        failure = Failure(kind="harness", message=f"{type(exc).__name__}: {exc}",
-                          steps=recorder.failure[1] if recorder.failure else [])
+    status, failure = run_machine(test, recorder)
+    if failure is not None and failure.kind != "harness" and opts.shrink in ("ops", "hypothesis+ops") \
+            and failure.steps:
+        minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
     if status == "passed":
-        missing = [c for c in spec.required if recorder.coverage.get(c, 0) == 0]
-        if missing:
-            status = "failed"
-            failure = Failure(kind="coverage", message=f"the {spec.family} situation never occurred: "
-                                                       f"{', '.join(missing)} stayed at 0 over {recorder.examples} "
-                                                       f"examples")
+        failure = coverage_failure(spec, recorder)
+        status = "failed" if failure is not None else status
     if failure is not None:
         failure.impl_config = asdict(impl_config)
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,

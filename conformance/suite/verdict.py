@@ -1,0 +1,43 @@
+"""A check's verdict from its state machine's run: what one Hypothesis run
+ended with (a finding of the implementation, a crash of the harness, or
+nothing), and whether the check's situation occurred at all.  Shared by the
+single-worker checks (``suite/execute.py``) and the disagg family
+(``suite/disagg.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from conformance.errors import ConformanceFailure, ImplementationError, UsageError
+from conformance.generate.machine import Recorder, stable_draws
+from conformance.generate.spec import CheckSpec
+from conformance.results.records import Failure
+
+
+def run_machine(test: Callable[[], None], recorder: Recorder) -> tuple[str, Failure | None]:
+    """Run a machine test: ("passed", None), ("failed"|"error", the failure).
+    A crash of the harness is an error naming it, never a pass."""
+    try:
+        with stable_draws():
+            test()
+    except (ConformanceFailure, ImplementationError) as exc:
+        status = "error" if isinstance(exc, ImplementationError) else "failed"
+        steps, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
+        first = recorder.first_failure or (None, None)
+        return status, Failure(kind=exc.kind, message=str(exc), steps=steps, events=events[-12:],
+                               examples_to_failure=first[0], seconds_to_failure=first[1])
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, never a pass
+        return "error", Failure(kind="harness", message=f"{type(exc).__name__}: {exc}",
+                                steps=recorder.failure[1] if recorder.failure else [])
+    return "passed", None
+
+
+def coverage_failure(spec: CheckSpec, recorder: Recorder) -> Failure | None:
+    """A check whose situation never occurred proves nothing: it fails."""
+    missing = [c for c in spec.required if recorder.coverage.get(c, 0) == 0]
+    if not missing:
+        return None
+    return Failure(kind="coverage", message=f"the {spec.family} situation never occurred: {', '.join(missing)} "
+                                            f"stayed at 0 over {recorder.examples} examples")

@@ -17,13 +17,12 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("SGLang not installed: bash scripts/install_sglang.sh .venvs/sglang, then run this file with "
                 ".venvs/sglang/bin/python -m pytest", allow_module_level=True)
 
+from drive import apply_all, session_of  # noqa: E402
+
 from conformance.adapters.sglang import SglangCache  # noqa: E402
 from conformance.adapters.sglang.config import SglangOptions  # noqa: E402
 from conformance.contract import ImplConfig, Layout  # noqa: E402
-from conformance.harness.checker import CheckerSet  # noqa: E402
 from conformance.harness.ops import Abort, Drain, Step, Submit  # noqa: E402
-from conformance.harness.session import Session  # noqa: E402
-from conformance.judge import standard_checkers  # noqa: E402
 from fault_injection.sglang_mutants import SGLANG_MUTANTS  # noqa: E402
 
 SHARED = tuple(range(1, 12))
@@ -37,13 +36,7 @@ CONFIGS = {
 
 def make(model, oracle, num_blocks=64, **options):
     impl = SglangCache(ImplConfig(block_size=4, num_kv_blocks=num_blocks, num_state_slots=24, options=options))
-    return Session(impl, model, oracle, CheckerSet(standard_checkers()))
-
-
-def apply_all(session, ops):
-    for op in ops:
-        session.apply(op)
-    assert not session.active(), f"requests still active: {session.active()}"
+    return session_of(impl, model, oracle)
 
 
 def test_contract_basics(model, oracle):

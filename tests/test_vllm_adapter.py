@@ -13,14 +13,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm]")
 
+from drive import apply_all, session_of  # noqa: E402
+
 from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
 from conformance.contract import ImplConfig, Layout  # noqa: E402
 from conformance.errors import ConformanceFailure  # noqa: E402
-from conformance.harness.checker import CheckerSet  # noqa: E402
 from conformance.harness.ops import Abort, Drain, Step, Submit  # noqa: E402
-from conformance.harness.session import Session  # noqa: E402
-from conformance.judge import standard_checkers  # noqa: E402
 from fault_injection.vllm_mutants import VLLM_MUTANTS  # noqa: E402
 
 B = 4
@@ -33,13 +32,7 @@ def make(model, oracle, num_blocks=64, mutant=None, block_size=B, **options):
                                 options=options))
     if mutant is not None:
         impl = VLLM_MUTANTS[mutant](impl)
-    return Session(impl, model, oracle, CheckerSet(standard_checkers()))
-
-
-def apply_all(session, ops):
-    for op in ops:
-        session.apply(op)
-    assert not session.active(), f"requests still active: {session.active()}"
+    return session_of(impl, model, oracle)
 
 
 def test_contract_basics(model, oracle):

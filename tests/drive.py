@@ -1,0 +1,18 @@
+"""Driving an already-built implementation by hand, as the engine adapters' tests do
+(a mutant there wraps an instance, not a class)."""
+
+from conformance.harness.checker import CheckerSet
+from conformance.harness.session import Session
+from conformance.judge import standard_checkers
+
+
+def session_of(impl, model, oracle) -> Session:
+    """A session over ``impl`` judged by the standard checkers."""
+    return Session(impl, model, oracle, CheckerSet(standard_checkers()))
+
+
+def apply_all(session: Session, ops) -> None:
+    """Apply ``ops``; every request must have finished."""
+    for op in ops:
+        session.apply(op)
+    assert not session.active(), f"requests still active: {session.active()}"

@@ -11,13 +11,11 @@ from conformance.adapters.reference.block_pool import ROOT, BlockPool, chain
 from conformance.adapters.reference.cache import Match, ReferenceCache
 from conformance.contract import RESUME, copy_from
 from conformance.model import ModelConfig
-from fault_injection.registry import register
+from fault_injection.registry import register, subclass_mutant
 
 
 def _subclass(factory, name: str, **methods):
-    if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
-        raise TypeError(f"mutant {name} applies to the reference implementation only")
-    return type(f"{factory.__name__}[{name}]", (factory,), methods)
+    return subclass_mutant(ReferenceCache, factory, name, **methods)
 
 
 @register("late-snapshot", "SNAP")

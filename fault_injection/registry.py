@@ -35,3 +35,30 @@ def register(name: str, bug_class: str, target: str = "reference", options: dict
         return fn
 
     return deco
+
+
+def subclass_mutant(base: type, factory, name: str, **methods):
+    """The usual shape of a mutant of a class-based implementation: a subclass of
+    ``factory`` (which must be ``base`` or derive from it) with ``methods`` replaced."""
+    if not (isinstance(factory, type) and issubclass(factory, base)):
+        raise TypeError(f"mutant {name} applies to the {getattr(base, 'name', base.__name__)} implementation only")
+    return type(f"{factory.__name__}[{name}]", (factory,), methods)
+
+
+def instance_mutant(name: str, apply: Callable, default_name: str):
+    """A mutant that wraps each built instance (``apply(impl) -> impl``), for engines
+    whose objects are patched at run time; the factory keeps the name, version and
+    tier option of the one it wraps."""
+
+    def wrap(factory):
+        def build(config):
+            return apply(factory(config))
+
+        build.name = getattr(factory, "name", default_name)
+        build.version = getattr(factory, "version", "unknown")
+        build.tier_option = getattr(factory, "tier_option", None)
+        build.__name__ = f"{getattr(factory, '__name__', default_name)}[{name}]"
+        return build
+
+    wrap.__doc__ = apply.__doc__
+    return wrap

@@ -9,8 +9,7 @@ from dataclasses import asdict
 
 from conformance.adapters.reference.cache import ReferenceCache
 from conformance.adapters.reference.policy import RetentionPolicy
-from fault_injection.reference_mutants import _subclass
-from fault_injection.registry import register
+from fault_injection.registry import register, subclass_mutant
 
 
 class _NoPromptEnd(RetentionPolicy):
@@ -18,6 +17,11 @@ class _NoPromptEnd(RetentionPolicy):
         step = block_size if self.interval is None else self.interval
         return step > 0 and pos % step == 0
 
+
+
+
+def _subclass(factory, name: str, **methods):
+    return subclass_mutant(ReferenceCache, factory, name, **methods)
 
 @register("drop-prompt-end-checkpoint", "RETAIN")
 def drop_prompt_end_checkpoint(factory):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from fault_injection.registry import register
+from fault_injection.registry import instance_mutant, register
 
 
 def _check(adapter) -> None:
@@ -133,21 +133,8 @@ OPTIONS = {
 }
 
 
-def _factory_wrapper(name: str, apply: Callable):
-    def wrap(factory):
-        def build(config):
-            return apply(factory(config))
-
-        build.name = getattr(factory, "name", "sglang")
-        build.version = getattr(factory, "version", "unknown")
-        build.tier_option = getattr(factory, "tier_option", None)
-        build.__name__ = f"{getattr(factory, '__name__', 'SglangCache')}[{name}]"
-        return build
-
-    wrap.__doc__ = apply.__doc__
-    return wrap
 
 
 for _name, _apply in SGLANG_MUTANTS.items():
     register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="sglang",
-             options=OPTIONS.get(_name))(_factory_wrapper(_name, _apply))
+             options=OPTIONS.get(_name))(instance_mutant(_name, _apply, "sglang"))

@@ -7,15 +7,13 @@ and the invariants), never by a check written for it."""
 from __future__ import annotations
 
 from conformance.adapters.reference.cache import Match, ReferenceCache
-from fault_injection.registry import register
+from fault_injection.registry import register, subclass_mutant
 
 TIER = {"host_tier": True}
 
 
 def _subclass(factory, name: str, **methods):
-    if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
-        raise TypeError(f"mutant {name} applies to the reference implementation only")
-    return type(f"{factory.__name__}[{name}]", (factory,), methods)
+    return subclass_mutant(ReferenceCache, factory, name, **methods)
 
 
 def _remote_match(cache, prompt, remote: int, slot) -> Match:

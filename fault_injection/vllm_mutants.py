@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fault_injection.registry import register
+from fault_injection.registry import instance_mutant, register
 
 
 def _check(adapter) -> None:
@@ -86,19 +86,6 @@ VLLM_MUTANTS: dict[str, Callable] = {
 }
 
 
-def _factory_wrapper(name: str, apply: Callable):
-    def wrap(factory):
-        def build(config):
-            return apply(factory(config))
-
-        build.name = getattr(factory, "name", "vllm")
-        build.version = getattr(factory, "version", "unknown")
-        build.tier_option = getattr(factory, "tier_option", None)
-        build.__name__ = f"{getattr(factory, '__name__', 'VllmCache')}[{name}]"
-        return build
-
-    wrap.__doc__ = apply.__doc__
-    return wrap
 
 
 # The configuration each buggy code path needs to run at all: the tail a
@@ -111,4 +98,4 @@ OPTIONS = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1, "
 
 for _name, _apply in VLLM_MUTANTS.items():
     register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm",
-             options=OPTIONS.get(_name))(_factory_wrapper(_name, _apply))
+             options=OPTIONS.get(_name))(instance_mutant(_name, _apply, "vllm"))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from conformance.engine.adapter import EngineInfo, EngineOutput
 from conformance.engine.process import WorkerProcess, engine_python
-from conformance.engine.vllm_engine import CALL_TIMEOUT, CPU_ENV, STARTUP_TIMEOUT
+from conformance.engine.vllm_engine import CALL_TIMEOUT, engine_env, init_engine
 from conformance.errors import EngineError
 
 # What vLLM's toy proxy sends to the prefill instance.
@@ -96,24 +96,13 @@ class PdEngine:
 
     def start(self) -> EngineInfo:
         self.port = free_port()
-        env = dict(CPU_ENV) if self.options.get("device", "cpu") == "cpu" else {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+        env = engine_env(self.options)
         env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port)})
         env.update(self.options.get("env") or {})
         self.worker = WorkerProcess(engine_python(self.options), env=env, label=self.label)
         self.worker.start()
-        try:
-            ans = self.worker.call({"cmd": "init", "kind": "vllm-pd", "model": self.model,
-                                    "cache_dir": self.options.get("cache_dir"),
-                                    "options": self._worker_options()}, timeout=STARTUP_TIMEOUT)
-        except EngineError as e:
-            self.worker.kill()
-            raise EngineError("startup", f"{self.label} failed to start: {e.message}", e.log_tail) from None
-        i = ans["info"]
-        self.info = EngineInfo(name="vllm-cpu" if self.options.get("device", "cpu") == "cpu" else "vllm",
-                               version=i["version"], block_size=i["block_size"],
-                               prefix_caching=bool(self.options.get("prefix_caching", True)),
-                               extra={k: v for k, v in i.items() if k not in ("version", "block_size")})
+        self.info = init_engine(self.worker, "vllm-pd", self.model, self.options, self._worker_options(), self.label,
+                                bool(self.options.get("prefix_caching", True)))
         return self.info
 
     def generate(self, prompts, max_tokens: int, params: list[dict | None]) -> list[dict]:

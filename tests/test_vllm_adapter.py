@@ -530,3 +530,44 @@ def test_pd_disagg_transfer_check_passes_with_full_coverage(tmp_path):
     for counter in get_check("disagg-transfer").required:
         assert check.coverage[counter] > 0, counter
     assert check.coverage["recomputes"] > 0  # a transfer fault fired and vLLM recomputed
+
+
+def test_view_states_each_block_for_the_group_that_owns_it(model, oracle):
+    """One pool, two groups: a block is a KV block while the attention group
+    owns it (a request's table or a cached KV entry), a state slot while the
+    Mamba group does, either while free.  So a page holding cached KV is never
+    stated as a free state slot (issue 14: snapshot_hits_under_slot_pressure)."""
+    s = make(model, oracle, prefix_match_unit=B)
+    apply_all(s, [Submit("a", SHARED + (20,) * 6, 1), Drain(64)])
+    s.apply(Submit("b", SHARED + (21,) * 9, 2))
+    s.apply(Step(6))
+    view, plan = s.impl.view(), s.last_plan
+    kv_cached, state_cached = {e.block for e in view.cached_kv}, {e.slot for e in view.cached_states}
+    assert kv_cached and state_cached
+    assert not kv_cached & set(view.state_refcounts) and not state_cached & set(view.kv_refcounts)
+    (rs,) = plan.requests
+    held_kv = set(rs.block_table[: -(-rs.end // s.impl.layout().block_size)])
+    assert all(view.kv_refcounts[b] >= 1 for b in held_kv) and not held_kv & set(view.state_refcounts)
+    assert view.state_refcounts[rs.state_slot] >= 1 and rs.state_slot not in view.kv_refcounts
+    # every block is stated somewhere (a leak at idle is seen), free ones in both maps
+    pool = s.impl.pool
+    assert set(view.kv_refcounts) | set(view.state_refcounts) == {b.block_id for b in pool.blocks if not b.is_null}
+    free = {b.block_id for b in pool.blocks if not b.is_null and b.ref_cnt == 0 and b.block_hash is None}
+    assert free and free <= set(view.kv_refcounts) & set(view.state_refcounts)
+
+
+def test_copies_of_one_cold_prefix_start_together_only_apart(model, oracle):
+    """vLLM will not start a request on a Mamba state another request caches
+    in the same step (MambaManager.get_num_blocks_to_allocate): of two copies
+    that repeat one prompt the second waits a step; copies that continue past
+    the prefix with their own tokens (the burst rule's ``apart``) start
+    together, cold (same_step_cold_prefills)."""
+    prefix = SHARED + tuple(range(30, 40))  # 21 tokens
+    for tails, together in ((((41,) * 9, (41,) * 9), False), (((41,) * 9, (42,) * 9), True)):
+        s = make(model, oracle, layer="gdn")
+        for i, tail in enumerate(tails):
+            s.apply(Submit(f"c{i}", prefix + tail, 1))
+        s.apply(Step(1024))
+        assert (s.tracks["c1"].computed is not None) == together
+        assert s.coverage["same_step_cold_prefills"] == together
+        apply_all(s, [Drain(1024)])

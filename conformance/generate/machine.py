@@ -377,17 +377,30 @@ class HardHistories(_Base):
             self.apply(Submit(self.new_id(), prompt, 1))
         self.apply(Step(budget))
 
-    @configured_rule(precondition=lambda self: self.enabled("burst") and self.session is not None,
+    @configured_rule(precondition=lambda self: self.enabled("burst") and self.session is not None
+                     and len(self.session.active()) + 2 <= self.spec.max_active,
                      base=lambda c: st.integers(0, 2),
                      cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
                      copies=lambda c: st.integers(2, 3), suffix=lambda c: strategies.tokens(c.vocab, c.B + 1),
-                     ends=lambda c: st.lists(st.integers(0, c.B + 1), min_size=3, max_size=3))
-    def same_prefix_burst(self, base, cut, copies, suffix, ends):
+                     ends=lambda c: st.lists(st.integers(0, c.B + 1), min_size=3, max_size=3),
+                     apart=lambda c: st.booleans())
+    def same_prefix_burst(self, base, cut, copies, suffix, ends, apart):
         """Several requests with one cold prefix, scheduled in one step: each
-        reaches the same checkpoints at the same time."""
+        reaches the same checkpoints at the same time.  Only when there is
+        room for two more requests (else most copies never fit).  The copies
+        repeat or extend one another, or (``apart``) each continues past the
+        prefix with a token of its own and at least a block more, so that
+        the state it caches at its prompt's end (or the block boundary before
+        it) lies past the shared prefix: a cache that will not start a request
+        on a state another request caches in the same step (vLLM's
+        MambaManager.get_num_blocks_to_allocate defers it to the next step)
+        starts only such copies together, cold."""
         prefix = self.bases[base][:cut] + suffix
-        for n in ends[:copies]:
-            self._submit_if_fits(prefix + suffix[:n], 1)
+        for i, n in enumerate(ends[:copies]):
+            if apart:
+                self._submit_if_fits(prefix + ((suffix[-1] + 1 + i) % self.vocab,) + suffix[:max(n, self.B)], 1)
+            else:
+                self._submit_if_fits(prefix + suffix[:n], 1)
         self.apply(Step(1024))
 
     @configured_rule(precondition=lambda self: self.enabled("aba") and self.session is not None
@@ -404,14 +417,17 @@ class HardHistories(_Base):
             self.apply(Step(1))  # the tier issues its loads: they are pending for the rules of Transfers
 
     @configured_rule(precondition=lambda self: self.enabled("diverge") and self.session is not None
-                     and self.session.tracks, **_DIVERGING)
+                     and self.session.tracks and len(self.session.active()) < self.spec.max_active, **_DIVERGING)
     def diverge_inside_a_block(self, which, k, offset, tail, rest, max_new):
         """A prompt that agrees with an earlier sequence up to ``k*B + offset``
         (or up to one token into that sequence's partial tail) and differs at
         the next token: a divergence at every offset inside a block.  One
         draw in three submits the sequence cut there instead (a prompt whose
-        hit ends inside a block)."""
+        hit ends inside a block).  Only when one more request has room (with
+        every request slot taken, most such prompts were never submitted)."""
         rids = list(self.session.tracks)
+        if tail:  # only a partial tail of two tokens or more has a token one into it
+            rids = [r for r in rids if len(self.session.tracks[r].tokens) % self.B > 1] or rids
         seq = self.session.tracks[rids[which % len(rids)]].tokens
         at = len(seq) // self.B * self.B + 1 if tail and len(seq) % self.B > 1 else k * self.B + offset
         if not 0 < at < len(seq):
@@ -421,17 +437,21 @@ class HardHistories(_Base):
             self._submit_if_fits(seq[:at], max_new)
             return
         other = (seq[at] + 1 + rest[0] % (self.vocab - 1)) % self.vocab  # never the cached token
-        self._submit_if_fits(seq[:at] + (other,) + rest[1:], max_new)
+        # the rest only as far as the longest sequence allows (it diverged already)
+        self._submit_if_fits(seq[:at] + (other,) + rest[1:max(1, self.max_len - max_new - at)], max_new)
 
     @configured_rule(precondition=lambda self: self.enabled("live-abort") and self.busy(),
-                     which=lambda c: st.integers(0, 7), decode=lambda c: st.sampled_from((False, True, False)),
+                     which=lambda c: st.integers(0, 7), decode=lambda c: st.booleans(),
                      budget=lambda c: st.sampled_from(sorted({1, 2, c.B - 1, c.B + 1} - {0})))
     def abort_running(self, which, decode, budget):
         """Abort a request that has run: mid-decode, or mid-prefill (after its
-        hit, which the step budget cuts short).  Steps first until it is there."""
+        hit, which the step budget cuts short).  Steps first until it is there.
+        Mid-decode only a request that asked for two tokens or more: one that
+        asked for one finishes in the step that ends its prefill."""
         tracks = self.session.tracks
         active = [r for r in self.session.active()
-                  if decode or tracks[r].computed is None or tracks[r].computed < tracks[r].prompt_len]
+                  if (tracks[r].max_new > 1 if decode
+                      else tracks[r].computed is None or tracks[r].computed < tracks[r].prompt_len)]
         if not active:
             return
         rid = active[which % len(active)]

@@ -11,12 +11,18 @@ evictions, which the coverage checker counts from views memory proved honest.
   what was cached when it was first asked for;
 - ``in_block_divergences`` / ``tail_divergences``: a prompt whose longest
   common prefix with an earlier sequence ends inside a block (and, for the
-  second, one token into that sequence's partial last block);
+  second, one token into the partial last block of a sequence it shares
+  that prefix with: any of them, not the first found);
 - ``matched_then_evicted``: a waiting request whose cached prefix (KV) was
   shorter at a later schedule than at an earlier one: the LRU met an entry
   between its match and its use;
 - ``snapshot_hits_under_slot_pressure``: a hit that copies a snapshot in a
-  step where at most two state slots are unreferenced;
+  step where at most one state slot is free: unreferenced, holding no cached
+  entry (a new snapshot there evicts nothing) and untouched by the step's
+  plan (the view's word that a slot the step writes or reads is free is not
+  taken).  Where one pool serves KV and states (vLLM), the view states
+  state-slot refcounts only for ids the KV group does not own, so a page that
+  holds cached KV is not counted free;
 - ``aborts_mid_prefill``, ``aborts_mid_decode``,
   ``aborts_mid_prefill_after_mid_block_hit``: aborts of requests that ran;
 - ``loads_broken`` (failed or short), ``loads_held``, ``loads_delayed``, ``loads_failed``, ``loads_short``,
@@ -69,8 +75,10 @@ class HardHistoryCoverage(Checker):
             limit = min(len(seq), len(prompt))
             while n < limit and seq[n] == prompt[n]:
                 n += 1
-            if n < limit and n > best:
-                best, tail = n, len(seq) % B != 0 and n == len(seq) // B * B + 1
+            if n < limit and n >= best:
+                # one token into the partial tail of any sequence it shares its longest prefix with
+                here = len(seq) % B != 0 and n == len(seq) // B * B + 1
+                best, tail = n, here or (tail and n == best)
         if best % B:
             self._count(session, "in_block_divergences")
             self._count(session, "tail_divergences", tail)
@@ -82,6 +90,8 @@ class HardHistoryCoverage(Checker):
     def scheduled(self, session, plan, view):
         B = session.layout.block_size
         cold: dict[tuple[int, ...], int] = {}
+        touched = {slot for rs in plan.requests for slot in (rs.state_slot, rs.state_init.source,
+                                                             *(s for _, s in rs.snapshots))}
         for rs in plan.requests:
             track = session.tracks[rs.request_id]
             if track.computed is not None:
@@ -93,7 +103,7 @@ class HardHistoryCoverage(Checker):
             if rs.state_init.kind == "copy" and rs.start > 0 and view is not None and view.state_refcounts:
                 # slots neither referenced nor holding a cached snapshot: what a new snapshot can take
                 cached = {e.slot for e in view.cached_states}
-                free = sum(1 for s, r in view.state_refcounts.items() if r == 0 and s not in cached)
+                free = sum(1 for s, r in view.state_refcounts.items() if r == 0 and s not in cached | touched)
                 self._count(session, "snapshot_hits_under_slot_pressure", free <= 1)
         self._count(session, "same_step_cold_prefills", sum(1 for n in cold.values() if n >= 2))
         # waiting requests: did what they could reuse shrink since the last schedule?

@@ -66,10 +66,14 @@ CHECKS: tuple[CheckSpec, ...] = (
               "KV blocks scarcer than state slots: cached KV evicted under running requests",
               frozenset({"live-pressure", "burst", "step", "continue"}), ("evictions_while_running", "prefix_hits"),
               num_kv_blocks=14, num_state_slots=24, max_prompt_blocks=3, max_seq_blocks=6, max_active=2),
+    # 24 KV blocks, four times the state slots: where one pool holds KV and
+    # states (vLLM) slot pressure is pool pressure, and a pool of 64 never
+    # filled within an example of the quick profile there (no eviction, no
+    # snapshot hit under pressure); the reference's KV never binds at 24 either.
     CheckSpec("slots-scarce", "snapshot",
               "state slots scarcer than KV: snapshot hits compete with new snapshots in one schedule",
               frozenset({"burst", "diverge", "step", "continue"}), ("snapshot_hits_under_slot_pressure",),
-              num_kv_blocks=64, num_state_slots=6, max_active=2),
+              num_kv_blocks=24, num_state_slots=6, max_active=2),
     # The host tier's wire under Hypothesis's control: completions held,
     # delayed, failed, delivered short or out of order, the host entry evicted
     # after the lookup, the prefix claimed again or the request aborted while

@@ -204,7 +204,8 @@ class VllmCache:
 
     def view(self):
         running = tuple(r.request_id for r in self.scheduler.running)
-        view, unknown = build_view(self.pool, self.registry, running)
+        view, unknown = build_view(self.pool, self.registry, running,
+                                   self.scheduler.kv_cache_manager.coordinator.single_type_managers)
         self.stats["unknown_hashes"] = max(self.stats["unknown_hashes"], unknown)
         return view
 

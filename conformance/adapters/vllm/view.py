@@ -37,11 +37,40 @@ def _blocks(value) -> list[KVCacheBlock]:
     return [value] if isinstance(value, KVCacheBlock) else list(value.values())
 
 
-def build_view(pool, registry: HashRegistry, running: tuple[str, ...]) -> tuple[CacheView, int]:
-    """(the view, number of cached entries whose prefix is unknown)."""
-    # One pool serves both groups: block b's refcount is stated for KV block b
-    # and for state slot b alike (the harness allocates both, see Layout).
+def owners(pool, managers) -> dict[int, set[int]]:
+    """Block id -> the KV cache groups that own it now, read from vLLM's own
+    structures: each group manager's ``req_to_blocks`` (the blocks its
+    requests hold) and the group id of the block's hash (a cached entry of
+    that group).  A free block that carries no hash is owned by none."""
+    owned: dict[int, set[int]] = {}
+    for manager in managers:
+        for blocks in manager.req_to_blocks.values():
+            for block in blocks:
+                if not block.is_null:
+                    owned.setdefault(block.block_id, set()).add(manager.kv_cache_group_id)
+    for block in pool.blocks:
+        if not block.is_null and block.block_hash is not None:
+            owned.setdefault(block.block_id, set()).add(get_group_id(block.block_hash))
+    return owned
+
+
+def build_view(pool, registry: HashRegistry, running: tuple[str, ...], managers=()) -> tuple[CacheView, int]:
+    """(the view, number of cached entries whose prefix is unknown).
+
+    One pool serves both groups, and a block id is a KV block while the
+    attention group owns it, a state slot while the Mamba group owns it, and
+    either while it is free (see :func:`owners`).  So ``kv_refcounts`` states
+    the ``ref_cnt`` of every block the Mamba group does not own and
+    ``state_refcounts`` that of every block the attention group does not own:
+    a page holding cached KV is not a free state slot (a new snapshot would
+    have to evict it), and the reverse.  A block held by something neither
+    group lists (a connector's hand-off) is stated in both, so a leak at idle
+    is still seen.  ``managers``: the coordinator's ``single_type_managers``
+    (none: every block is stated in both maps)."""
     refs = {b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null}
+    owned = owners(pool, managers)
+    kv_refs = {b: n for b, n in refs.items() if owned.get(b, {ATTN_GROUP}) != {MAMBA_GROUP}}
+    state_refs = {b: n for b, n in refs.items() if owned.get(b, {MAMBA_GROUP}) != {ATTN_GROUP}}
     kv, states, unknown = [], [], 0
     for key, value in pool.cached_block_hash_to_block._cache.items():
         prefix = registry.prefixes.get(get_block_hash(key))
@@ -54,6 +83,6 @@ def build_view(pool, registry: HashRegistry, running: tuple[str, ...]) -> tuple[
                 kv.append(CachedKV(block.block_id, prefix))
             elif group == MAMBA_GROUP:
                 states.append(CachedState(block.block_id, prefix))
-    view = CacheView(kv_refcounts=refs, state_refcounts=dict(refs), cached_kv=tuple(kv),
+    view = CacheView(kv_refcounts=kv_refs, state_refcounts=state_refs, cached_kv=tuple(kv),
                      cached_states=tuple(states), running=running)
     return view, unknown

@@ -76,8 +76,10 @@ def test_a_burst_apart_continues_each_copy_with_its_own_token(model, oracle, mon
     least a block: a cache that defers a request whose hit another request
     caches in the same step (vLLM) still starts them together, cold."""
     m = started("hard-prefixes", model, oracle, monkeypatch)
-    m.same_prefix_burst(base=0, cut=8, copies=3, suffix=(5,) * 5, ends=[0, 1, 5], apart=True)
-    prompts = [t.tokens[: t.prompt_len] for t in m.session.tracks.values()]
+    m._submit_if_fits(BASES[1][:9], 1)
+    m._submit_if_fits(BASES[2][:9], 1)  # two of three request slots taken: the burst steps first
+    m.same_prefix_burst(base=0, cut=8, copies=3, suffix=(5,) * 5, ends=[0, 1, 5])  # the last length odd: apart
+    prompts = [t.tokens[: t.prompt_len] for rid, t in m.session.tracks.items() if rid not in ("r1", "r2")]
     prefix = BASES[0][:8] + (5,) * 5
     assert len(prompts) == 3 and all(p[: len(prefix)] == prefix for p in prompts)
     assert len({p[len(prefix)] for p in prompts}) == 3 and min(len(p) for p in prompts) >= len(prefix) + 1 + 4

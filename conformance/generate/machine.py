@@ -377,30 +377,37 @@ class HardHistories(_Base):
             self.apply(Submit(self.new_id(), prompt, 1))
         self.apply(Step(budget))
 
-    @configured_rule(precondition=lambda self: self.enabled("burst") and self.session is not None
-                     and len(self.session.active()) + 2 <= self.spec.max_active,
+    @configured_rule(precondition=lambda self: self.enabled("burst") and self.session is not None,
                      base=lambda c: st.integers(0, 2),
                      cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
                      copies=lambda c: st.integers(2, 3), suffix=lambda c: strategies.tokens(c.vocab, c.B + 1),
-                     ends=lambda c: st.lists(st.integers(0, c.B + 1), min_size=3, max_size=3),
-                     apart=lambda c: st.booleans())
-    def same_prefix_burst(self, base, cut, copies, suffix, ends, apart):
+                     ends=lambda c: st.lists(st.integers(0, c.B + 1), min_size=3, max_size=3))
+    def same_prefix_burst(self, base, cut, copies, suffix, ends):
         """Several requests with one cold prefix, scheduled in one step: each
-        reaches the same checkpoints at the same time.  Only when there is
-        room for two more requests (else most copies never fit).  The copies
-        repeat or extend one another, or (``apart``) each continues past the
-        prefix with a token of its own and at least a block more, so that
-        the state it caches at its prompt's end (or the block boundary before
-        it) lies past the shared prefix: a cache that will not start a request
-        on a state another request caches in the same step (vLLM's
-        MambaManager.get_num_blocks_to_allocate defers it to the next step)
-        starts only such copies together, cold."""
+        reaches the same checkpoints at the same time.  The copies repeat or
+        extend one another, or (``apart``: the last length drawn is odd) each
+        continues past the prefix with a token of its own and at least a block
+        more, so that the state it caches at its prompt's end (or the block
+        boundary before it) lies past the shared prefix: a cache that will not
+        start a request on a state another request caches in the same step
+        (vLLM's MambaManager.get_num_blocks_to_allocate defers it to the next
+        step) starts only such copies together, cold.  Steps first (at most
+        eight) until two more requests have room: with every request slot
+        taken no copy fit, and the burst was a bare step.  ``apart`` comes from
+        a draw the rule already made, so the checks keep their choice sequences."""
         prefix = self.bases[base][:cut] + suffix
+        apart = ends[-1] % 2 == 1
+        for _ in range(8):
+            if len(self.session.active()) + 2 <= self.spec.max_active:
+                break
+            self.apply(Step(1024))
         for i, n in enumerate(ends[:copies]):
+            # two tokens each: after the step the copies are mid-decode, so what
+            # their allocations evicted was evicted while requests ran
             if apart:
-                self._submit_if_fits(prefix + ((suffix[-1] + 1 + i) % self.vocab,) + suffix[:max(n, self.B)], 1)
+                self._submit_if_fits(prefix + ((suffix[-1] + 1 + i) % self.vocab,) + suffix[:max(n, self.B)], 2)
             else:
-                self._submit_if_fits(prefix + suffix[:n], 1)
+                self._submit_if_fits(prefix + suffix[:n], 2)
         self.apply(Step(1024))
 
     @configured_rule(precondition=lambda self: self.enabled("aba") and self.session is not None
@@ -417,17 +424,14 @@ class HardHistories(_Base):
             self.apply(Step(1))  # the tier issues its loads: they are pending for the rules of Transfers
 
     @configured_rule(precondition=lambda self: self.enabled("diverge") and self.session is not None
-                     and self.session.tracks and len(self.session.active()) < self.spec.max_active, **_DIVERGING)
+                     and self.session.tracks, **_DIVERGING)
     def diverge_inside_a_block(self, which, k, offset, tail, rest, max_new):
         """A prompt that agrees with an earlier sequence up to ``k*B + offset``
         (or up to one token into that sequence's partial tail) and differs at
         the next token: a divergence at every offset inside a block.  One
         draw in three submits the sequence cut there instead (a prompt whose
-        hit ends inside a block).  Only when one more request has room (with
-        every request slot taken, most such prompts were never submitted)."""
+        hit ends inside a block)."""
         rids = list(self.session.tracks)
-        if tail:  # only a partial tail of two tokens or more has a token one into it
-            rids = [r for r in rids if len(self.session.tracks[r].tokens) % self.B > 1] or rids
         seq = self.session.tracks[rids[which % len(rids)]].tokens
         at = len(seq) // self.B * self.B + 1 if tail and len(seq) % self.B > 1 else k * self.B + offset
         if not 0 < at < len(seq):
@@ -437,8 +441,7 @@ class HardHistories(_Base):
             self._submit_if_fits(seq[:at], max_new)
             return
         other = (seq[at] + 1 + rest[0] % (self.vocab - 1)) % self.vocab  # never the cached token
-        # the rest only as far as the longest sequence allows (it diverged already)
-        self._submit_if_fits(seq[:at] + (other,) + rest[1:max(1, self.max_len - max_new - at)], max_new)
+        self._submit_if_fits(seq[:at] + (other,) + rest[1:], max_new)
 
     @configured_rule(precondition=lambda self: self.enabled("live-abort") and self.busy(),
                      which=lambda c: st.integers(0, 7), decode=lambda c: st.booleans(),

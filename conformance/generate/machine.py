@@ -470,7 +470,7 @@ class Transfers(_Base):
         return self.enabled("transfers") and self.session is not None and bool(self.session.pending_loads())
 
     @configured_rule(precondition=lambda self: self.enabled("transfers") and self.session is not None
-                     and not self.session.active() and self.finished,
+                     and self.finished,
                      which=lambda c: st.integers(0, 7), junk=_junk,
                      fates=lambda c: st.lists(st.tuples(st.integers(0, 3),
                                                         st.sampled_from(("short", "fail", "evict", "ok")),
@@ -479,6 +479,8 @@ class Transfers(_Base):
         """A finished prompt displaced to the host tier and asked for again;
         its loads are decided at once (outcome, delay, order; or the host
         entry evicted after the lookup)."""
+        if self.session.active():  # requests are rarely all finished between rules: finish them
+            self.apply(Drain(1024))
         # the longer prompts first: only what spans a block can come back from the tier
         longest = sorted(self.finished, key=lambda r: -self.session.tracks[r].prompt_len)
         prev = self.session.tracks[longest[which % min(2, len(longest))]]

@@ -237,7 +237,10 @@ JUNK = list(range(40, 45))
 
 # vLLM's connector path (tests/test_reconciliation.py::test_reconciliation_case_on_vllm): the same
 # operations on vLLM's scheduler with the store connector; "vllm" holds the options, the pool, and
-# vLLM's own winner and reuse where its semantics give other values (docs/vllm-adapter.md).
+# vLLM's own winner and reuse where its semantics give other values (docs/vllm-adapter.md).  Every pool
+# is at least the one vLLM starts with for these prompts (check_enough_kv_cache_memory: the attention
+# pages of 11 tokens and MambaSpec.max_memory_usage_bytes' pages, 6 usable blocks under MambaMixer2 and
+# 4 of 8 tokens under GDN): below it a hit can stall where vLLM would not have started.
 VLLM_TIER = {
     "tier-local-longer": {
         "options": {"connector": "async", "prefix_match_unit": 1}, "num_kv_blocks": 8,
@@ -252,7 +255,7 @@ VLLM_TIER = {
             "leaves to compute. A remote hit of 4 cannot tie a local 6 here: vLLM never asks the connector "
             "about tokens inside the local hit.")},
     "tier-remote-longer": {
-        "options": {"connector": "async"}, "num_kv_blocks": 6,
+        "options": {"connector": "async"}, "num_kv_blocks": 7,
         "expect": {"winner": "remote", "reuse": 8},
         "why": ("MambaMixer2's spec, B = 4, vLLM's default match unit. A's prefill exports its checkpoint at 8 "
             "from inside its one chunk; the connector stores it with A's two full KV blocks. J's allocations "

@@ -139,16 +139,12 @@ class ConformanceRunner:
 
     def run_check(self, check_id: str):
         """Run one check or variant; returns its CheckResult (writes reports as it goes)."""
-        from conformance.suite.checks import PROFILES, get_check
-        from conformance.suite.config_matrix import parse_variant_id
+        from conformance.suite.checks import PROFILES, get_check, seed_index
         from conformance.suite.execute import record_check, run_check
 
         spec = get_check(check_id)
         profile = PROFILES[self.opts.profile]
-        ids = [s.id for s in profile.checks]
-        # the CLI's seed for this check: its position in the profile (a variant keeps its check's)
-        base = parse_variant_id(check_id)[0]
-        index = ids.index(base) if base in ids else len(ids)
+        index = seed_index(profile, check_id, 0)  # the CLI's seed for this check
         res = run_check(self.factory, spec, self.model, self.oracle, self.opts, profile, index, self.env)
         self.result.checks = [c for c in self.result.checks if c.id != check_id] + [res]
         record_check(self.out, self.result, res)

@@ -73,6 +73,18 @@ def test_held_loads_wait_for_decisions_and_the_reference_survives_each(tiny):
         assert s.idle() and not s.pending_loads()
 
 
+def test_an_entry_whose_load_broke_is_not_held_for_the_next_request(tiny):
+    """A load delivered short, completed by a step that runs no request, then a
+    second request for the same prefix: a correct cache may stop trusting the
+    broken entry, so the oracle must not hold it for the second request either
+    (it used to learn of the broken load only at the next step with requests)."""
+    s = judged_session(ReferenceCache, CONFIG, tiny, Oracle(tiny), families=("expected-hit",))
+    ops = _displaced([Deliver(0, "short")])[:-1] + [Step(1), Submit("d", LONG + (6, 7, 8)), Drain(1024)]
+    for op in ops:
+        s.apply(op)
+    assert s.control.counts["short"] == 1 and s.idle()
+
+
 def test_transfer_decisions_replay_exactly_from_a_repro_file(tmp_path, tiny):
     """A failure found with decisions in it (a load completing two steps late
     meets a cache that does not wait for its loads) replays to the same

@@ -532,6 +532,33 @@ class Transfers(_Base):
             self.apply(Submit(self.new_id(), prompt, 1))
         self.apply(Step(1024))
 
+    @configured_rule(precondition=lambda self: self.enabled("transfers") and self.session is not None
+                     and not self.session.active(),
+                     prompt=lambda c: strategies.tokens(c.vocab, c.max_len - 1),
+                     length=lambda c: st.integers(c.max_len // 2, c.max_len - 1), k=lambda c: st.integers(1, 2),
+                     offset=lambda c: st.integers(1, max(1, c.B - 1)),
+                     junk=lambda c: strategies.tokens(c.vocab, c.max_len), more=lambda c: st.integers(0, 1))
+    def local_tail_against_remote(self, prompt, length, k, offset, junk, more):
+        """The tiers' fourth case: a local hit ending inside block ``k``
+        against the host tier's hit at that block's end.  A prompt is cached,
+        then a prefix of it ending inside the block; distinct junk displaces
+        the older entries (the state at the boundary goes to the host tier)
+        but not the younger, mid-block one: it takes as many state slots as
+        the pool has beyond the prompt's checkpoints (one per block, the
+        densest a cache keeps), so an LRU keeps the entry cached last.  Then
+        the prompt up to the boundary and one diverging token is asked for."""
+        B, cut, vocab = self.B, k * self.B, self.model.config.vocab_size
+        a = prompt[:length]
+        if cut >= length:
+            return
+        blocks = min(self.max_len // B, max(1, self.impl_config.num_state_slots - -(-length // B) + more))
+        junk = ((a[0] + 1 + junk[0] % max(1, vocab - 1)) % vocab,) + junk[1: blocks * B - 1]  # never A's start
+        other = (a[cut] + 1 + junk[1] % max(1, vocab - 1)) % vocab  # never A's token after the boundary
+        for seq in (a, a[: cut - B + offset], junk, a[:cut] + (other,)):
+            if self.fits(len(seq), 1):
+                self.apply(Submit(self.new_id(), seq, 1))
+                self.apply(Drain(1024))
+
 
 #: Rule groups a check adds by name, beyond the base machine's.  Hypothesis
 #: picks rules by their index among the class's rules, so a check that enables

@@ -538,7 +538,7 @@ class Transfers(_Base):
                      seed=lambda c: st.integers(0, 2**32 - 1),
                      length=lambda c: st.integers(c.max_len // 2, c.max_len - 1), k=lambda c: st.integers(1, 2),
                      offset=lambda c: st.integers(1, max(1, c.B - 1)), more=lambda c: st.integers(0, 1),
-                     fate=lambda c: st.sampled_from(("ok", "evict", "fail", "short")))
+                     fate=lambda c: st.sampled_from(("ok", "evict", "ok", "fail", "ok", "short")))
     def local_tail_against_remote(self, seed, length, k, offset, more, fate):
         """The tiers' fourth case: a local hit ending inside block ``k``
         against the host tier's hit at that block's end.  A prompt is cached,

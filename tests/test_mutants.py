@@ -13,11 +13,7 @@ from conformance.suite.run import RunOptions
 REFERENCE_MUTANTS = sorted(m.name for m in mutants_for("reference"))
 # Mutants the quick profile does not catch yet, each with why (a known blind
 # spot, reported; never a pass).  Its scenario still catches it by replay.
-ESCAPES = {
-    "tier-tail-not-released": "needs a local hit ending inside a block whose longer prefix only the host tier "
-                              "holds; the quick profile's tier-races rarely displaces exactly that "
-                              "(fixtures/scenarios/tier-local-mid-block-vs-remote-boundary.json catches it)",
-}
+ESCAPES: dict[str, str] = {}
 
 
 def test_the_registry_holds_the_seeded_bugs():

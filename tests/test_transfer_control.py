@@ -172,3 +172,21 @@ def test_checkpoints_beyond_the_free_slots_are_not_failed():
     with pytest.raises(ConformanceFailure) as exc:
         check._check_capacity(Session(empty), wanted, type("Now", (), {"states": set()})())
     assert exc.value.kind == "hit-rate"
+
+
+def test_an_entry_in_transit_when_the_request_was_matched_is_not_held_against_it(tiny):
+    """Two requests compared in one schedule: the first one's load
+    destinations evict a state the second could reuse, whose offload runs
+    only after the schedule; the second was matched while that state was
+    held nowhere, so reusing the shorter prefix is right (the oracle's floor
+    includes the schedule of a plan that only carries transfers)."""
+    a = (36, 62, 28, 12, 56, 29, 60, 33, 31, 39, 2, 26, 34, 40, 33, 58, 59, 20, 29, 8, 53, 27, 6, 31, 5, 26, 9, 10,
+         9, 4, 45)
+    config = ImplConfig(block_size=4, num_kv_blocks=28, num_state_slots=10, options={"host_tier": True})
+    s = judged_session(ReferenceCache, config, tiny, Oracle(tiny), families=("expected-hit",))
+    for op in (Submit("r1", a, 1), Drain(1024), Submit("r2", a[:2], 1),
+               Submit("r3", (19, 57, 43, 21, 0, 9, 0, 20, 45, 0, 27), 1), Submit("r4", a[:4] + (50,), 1),
+               Drain(1024), Submit("r5", a[:19] + (17, 55, 2, 60), 2), Submit("r6", a[:21] + (16, 31, 12, 53), 1),
+               Drain(3)):
+        s.apply(op)
+    assert s.idle()

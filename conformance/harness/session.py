@@ -279,8 +279,13 @@ class Session:
 
     def _without_requests(self, plan: StepPlan) -> None:
         """A plan that computes nothing: transfers and copies only, or a stall."""
-        self.checkers.notify("scheduled", self, plan, None)
-        if plan.transfers or plan.kv_copies or plan.state_copies or self.runner.transport.busy():
+        progress = bool(plan.transfers or plan.kv_copies or plan.state_copies or self.runner.transport.busy())
+        # Requests that wait on loads were matched in this schedule: the
+        # checkers see what the cache held then (an entry evicted by another
+        # request's load destinations is neither on the device nor, its
+        # offload not run yet, in the host store).
+        self.checkers.notify("scheduled", self, plan, self.call("view") if progress else None)
+        if progress:
             # requests wait for their loads (or copies prepare them): progress, not a stall
             self._stalled = 0
             try:

@@ -7,12 +7,17 @@ Two ways in:
        pytest --hybrid-impl mypkg.cache:MyCache [--hybrid-profile quick] [--hybrid-report-dir DIR]
        pytest -p conformance.pytest_plugin --hybrid-impl reference ...   # without the entry point
 
+   An implementation that declares a configuration matrix (``config_matrix``,
+   :mod:`conformance.suite.config_matrix`) gets one test per variant, as the
+   CLI runs it (``hybrid-conformance[mid-block-hits[prefix_match_unit=1]]``);
+   ``--hybrid-no-matrix`` runs each check once.
+
 2. A fixture, for a test module of the adapter's own::
 
        import pytest
        from conformance.pytest_plugin import check_ids
 
-       @pytest.mark.parametrize("check", check_ids("quick"))
+       @pytest.mark.parametrize("check", check_ids("quick", MyCache))  # MyCache's matrix variants included
        def test_hybrid_conformance(hybrid_conformance, check):
            hybrid_conformance.check(MyCache, check)
 
@@ -39,6 +44,10 @@ def pytest_addoption(parser) -> None:
     g.addoption("--hybrid-profile", default="quick", help="quick, standard or nightly (default quick)")
     g.addoption("--hybrid-check", action="append", default=[], metavar="ID", help="only this check (repeatable)")
     g.addoption("--hybrid-mutant", default=None, help="apply a registered mutant (tests the suite itself)")
+    g.addoption("--hybrid-option", action="append", default=[], metavar="KEY=VALUE",
+                help="implementation option, e.g. interval=8 (JSON values; repeatable), as the CLI's --option")
+    g.addoption("--hybrid-no-matrix", action="store_true", default=False,
+                help="run each check once, not under the implementation's configuration matrix")
     g.addoption("--hybrid-seed", type=int, default=0, help="seed (default 0, as the CLI)")
     g.addoption("--hybrid-examples", type=int, default=None, help="examples per check (overrides the profile)")
     g.addoption("--hybrid-steps", type=int, default=None, help="operations per example (overrides the profile)")
@@ -49,10 +58,23 @@ def pytest_addoption(parser) -> None:
                 help="write results.json, junit.xml, index.html and repros/ here")
 
 
-def check_ids(profile: str = "quick") -> list[str]:
+def check_ids(profile: str = "quick", impl: str | object | None = None, options: dict | None = None) -> list[str]:
+    """The profile's check ids; with ``impl`` (a factory or an ``--impl``
+    string), each expanded under its configuration matrix as the CLI runs it
+    (``options``: the implementation options the user sets, which the
+    matrix never overrides)."""
     from conformance.suite.checks import PROFILES
 
-    return [spec.id for spec in PROFILES[profile].checks]
+    specs = list(enumerate(PROFILES[profile].checks))
+    if impl is None:
+        return [spec.id for _, spec in specs]
+    from conformance.suite.config_matrix import expand
+
+    if isinstance(impl, str):
+        from conformance.suite.prepare import resolve
+
+        impl = resolve(impl)
+    return [spec.id for _, spec in expand(specs, impl, dict(options or {}))]
 
 
 class ConformanceRunner:
@@ -61,7 +83,7 @@ class ConformanceRunner:
 
     def __init__(self, impl: str | object, profile: str = "quick", seed: int = 0, mutant: str | None = None,
                  examples: int | None = None, steps: int | None = None, report_dir: str | Path | None = None,
-                 shrink: str = "ops"):
+                 shrink: str = "ops", options: dict | None = None, matrix: bool = True):
         import torch
 
         from conformance.harness.oracle import Oracle
@@ -76,7 +98,8 @@ class ConformanceRunner:
         spec = impl if isinstance(impl, str) else \
             f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
         self.opts = RunOptions(impl=spec, profile=profile, seed=seed, mutant=mutant, examples=examples, steps=steps,
-                               report_dir=Path(report_dir) if report_dir else None, shrink=shrink)
+                               report_dir=Path(report_dir) if report_dir else None, shrink=shrink,
+                               impl_options=dict(options or {}), matrix=matrix)
         if not isinstance(impl, str):
             self._prepare_object(impl)
         else:
@@ -88,7 +111,7 @@ class ConformanceRunner:
         self.result = RunResult(implementation=self.name, implementation_version=str(getattr(self.factory, "version",
                                                                                              "unknown")),
                                 seed=seed, profile=profile, started=now(), model=self.model_config.to_dict(),
-                                mutant=mutant, impl_spec=spec, impl_config={})
+                                mutant=mutant, impl_spec=spec, impl_config={"options": self.opts.impl_options})
         self.out = Path(report_dir) if report_dir else None
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -103,16 +126,25 @@ class ConformanceRunner:
         self.factory, self.env, self.name = factory, None, getattr(factory, "name", getattr(factory, "__name__", "?"))
         self.model_config = default_model_config()
 
+    def planned_ids(self, check_ids: list[str]) -> list[str]:
+        """``check_ids`` expanded under the implementation's configuration
+        matrix (unless ``matrix=False``), as ``hybrid-conformance run`` does."""
+        from conformance.suite.checks import get_check
+        from conformance.suite.config_matrix import expand
+
+        planned = [(0, get_check(c)) for c in check_ids]
+        if self.opts.matrix:
+            planned = expand(planned, self.factory, self.opts.impl_options)
+        return [spec.id for _, spec in planned]
+
     def run_check(self, check_id: str):
-        """Run one check; returns its CheckResult (writes reports as it goes)."""
-        from conformance.suite.checks import PROFILES, get_check
+        """Run one check or variant; returns its CheckResult (writes reports as it goes)."""
+        from conformance.suite.checks import PROFILES, get_check, seed_index
         from conformance.suite.execute import record_check, run_check
 
         spec = get_check(check_id)
         profile = PROFILES[self.opts.profile]
-        ids = [s.id for s in profile.checks]
-        # the CLI's seed for this check: its position in the profile
-        index = ids.index(check_id) if check_id in ids else len(ids)
+        index = seed_index(profile, check_id, 0)  # the CLI's seed for this check
         res = run_check(self.factory, spec, self.model, self.oracle, self.opts, profile, index, self.env)
         self.result.checks = [c for c in self.result.checks if c.id != check_id] + [res]
         record_check(self.out, self.result, res)
@@ -197,11 +229,22 @@ def _runner(config) -> ConformanceRunner:
             runner = ConformanceRunner(opt("hybrid_impl"), profile=opt("hybrid_profile"), seed=opt("hybrid_seed"),
                                        mutant=opt("hybrid_mutant"), examples=opt("hybrid_examples"),
                                        steps=opt("hybrid_steps"), report_dir=opt("hybrid_report_dir"),
-                                       shrink=opt("hybrid_shrink"))
+                                       shrink=opt("hybrid_shrink"), options=_options(config),
+                                       matrix=not opt("hybrid_no_matrix"))
         except UsageError as exc:
             raise pytest.UsageError(f"--hybrid-impl: {exc}") from None
         config.stash[_KEY] = runner
     return runner
+
+
+def _options(config) -> dict:
+    from conformance.errors import UsageError
+    from conformance.suite.options import parse_options
+
+    try:
+        return parse_options(config.getoption("hybrid_option"))
+    except UsageError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def pytest_configure(config) -> None:
@@ -224,6 +267,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
             get_check(cid)
         except KeyError as exc:
             raise pytest.UsageError(f"--hybrid-check: {exc.args[0]}") from None
+    # one test per variant of the implementation's configuration matrix, as the CLI runs them
+    for cid in _runner(config).planned_ids(wanted):
         items.append(ConformanceItem.from_parent(session, name=f"hybrid-conformance[{cid}]", check_id=cid))
 
 
@@ -250,7 +295,8 @@ def hybrid_conformance(request):
                 runners[key] = ConformanceRunner(impl, profile=opt("hybrid_profile"), seed=opt("hybrid_seed"),
                                                  mutant=opt("hybrid_mutant"), examples=opt("hybrid_examples"),
                                                  steps=opt("hybrid_steps"), report_dir=out,
-                                                 shrink=opt("hybrid_shrink"))
+                                                 shrink=opt("hybrid_shrink"), options=_options(request.config),
+                                                 matrix=not opt("hybrid_no_matrix"))
             return runners[key].check(check_id)
 
     yield _Checks()

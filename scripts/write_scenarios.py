@@ -49,7 +49,7 @@ def hold():
 
 
 def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_config=None, impl="reference",
-             expect=None, check=None, kind=None):
+             expect=None, check=None, kind=None, vllm=None):
     SCENARIOS[name] = {
         "schema": "hybrid-cache-conformance/repro",
         "schema_version": 2,
@@ -68,6 +68,7 @@ def scenario(name, mutant, bug_class, title, upstream, description, steps, impl_
         **({"failure": {"kind": kind}} if kind else {}),
         **({"check": check} if check else {}),
         **({"expect": expect} if expect else {}),
+        **({"vllm": vllm} if vllm else {}),
         "steps": steps,
     }
 
@@ -234,6 +235,53 @@ LONG = list(range(11, 21))  # 10 tokens: blocks [0,4), [4,8) and a tail
 JUNK = list(range(40, 45))
 
 
+# vLLM's connector path (tests/test_reconciliation.py::test_reconciliation_case_on_vllm): the same
+# operations on vLLM's scheduler with the store connector; "vllm" holds the options, the pool, and
+# vLLM's own winner and reuse where its semantics give other values (docs/vllm-adapter.md).  Every pool
+# is at least the one vLLM starts with for these prompts (check_enough_kv_cache_memory: the attention
+# pages of 11 tokens and MambaSpec.max_memory_usage_bytes' pages, 6 usable blocks under MambaMixer2 and
+# 4 of 8 tokens under GDN): below it a hit can stall where vLLM would not have started.
+VLLM_TIER = {
+    "tier-local-longer": {
+        "options": {"connector": "async", "prefix_match_unit": 1}, "num_kv_blocks": 8,
+        "expect": {"winner": "local", "reuse": 6},
+        "why": ("MambaMixer2's spec, B = 4, sub-block matching. vLLM keeps B's prompt state at its tail, the last "
+            "hash boundary before its last prompt token (get_mamba_prefill_checkpoint_position, "
+            "v1/kv_cache_interface.py:1169-1186: (7 - 1) // 1 * 1 = 6), not after all 7 tokens, so C's local "
+            "hit is 6, inside block 1. The scheduler offers the connector the block-aligned local hit (4) and "
+            "asks only for tokens beyond it (vLLM 0.33.0, vllm/v1/core/sched/scheduler.py:1129-1142); the "
+            "store holds the state at 4 and no block past it, so it claims nothing, and the sub-block tail "
+            "stays (:1179-1185). Local wins with 6: the reference's 7 minus the token vLLM's tail checkpoint "
+            "leaves to compute. A remote hit of 4 cannot tie a local 6 here: vLLM never asks the connector "
+            "about tokens inside the local hit.")},
+    "tier-remote-longer": {
+        "options": {"connector": "async"}, "num_kv_blocks": 7,
+        "expect": {"winner": "remote", "reuse": 8},
+        "why": ("MambaMixer2's spec, B = 4, vLLM's default match unit. A's prefill exports its checkpoint at 8 "
+            "from inside its one chunk; the connector stores it with A's two full KV blocks. J's allocations "
+            "evict A's states, so C's local hit is 0 (KV without a state is no hit for the hybrid manager). "
+            "The connector is offered 0 and claims 8; both groups start at 8 after the load.")},
+    "tier-tie-stays-local": {
+        "options": {"connector": "async"}, "num_kv_blocks": 12,
+        "expect": {"winner": "local", "reuse": 8},
+        "why": ("MambaMixer2's spec, B = 4. Nothing is evicted: C's local hit is 8 (A's blocks and A's checkpoint "
+            "at 8) and the store holds the same 8. The scheduler offers 8 and asks for tokens beyond it (vLLM "
+            "0.33.0, vllm/v1/core/sched/scheduler.py:1129-1142); the next block boundary (12) is past C's 10 "
+            "tokens, so the connector claims 0: in vLLM a tie is always local, by construction of the API.")},
+    "tier-local-mid-block-vs-remote-boundary": {
+        "options": {"connector": "async", "prefix_match_unit": 1, "layer": "gdn"}, "num_kv_blocks": 6,
+        "expect": {"winner": "remote", "reuse": 8},
+        "why": ("GDN's CPU spec (no prefill checkpoint block), so vLLM makes the block 8 tokens (the adapter's "
+            "hybrid_block_size) and A's prefill stops at the block boundary 8, whose state the connector "
+            "stores; MambaMixer2's spec exports A's checkpoint at 9 from inside one chunk instead, and no "
+            "store can then hold a state at 8. C's local hit is 6 (B's tail), inside block 0; J displaced A's "
+            "state at 8. The scheduler offers the block-aligned 0 (vLLM 0.33.0, "
+            "vllm/v1/core/sched/scheduler.py:1129-1142), the store claims 8 (KV [0, 8) and the state at 8), "
+            "and since 8 > the partial tail 6 the local tail is truncated (truncate_computed_blocks, "
+            ":1167-1178): remote wins with 8, loaded asynchronously (WAITING_FOR_REMOTE_KVS, :1514-1523).")},
+}
+
+
 def tier_config(kv, slots):
     return {"num_kv_blocks": kv, "num_state_slots": slots, "options": {"host_tier": True}}
 
@@ -249,7 +297,7 @@ scenario(
     [sub("a", LONG), drain(), sub("b", LONG[:7]), drain(), sub("j", JUNK), drain(),
      sub("c", LONG[:7] + [50, 51, 52]), drain()],
     impl_config=tier_config(8, 5), check="tier-races", expect={"request": "c", "winner": "local", "reuse": 7},
-    kind="hit-rate")
+    kind="hit-rate", vllm=VLLM_TIER["tier-local-longer"])
 
 scenario(
     "tier-remote-longer", "tier-groups-unreconciled", "GROUPS",
@@ -261,7 +309,7 @@ scenario(
     "recurrent group where the local hit was (a fresh state): wrong logits.",
     [sub("a", LONG), drain(), sub("j", JUNK), drain(), sub("c", LONG[:8] + [50, 51]), drain()],
     impl_config=tier_config(8, 3), check="tier-races", expect={"request": "c", "winner": "remote", "reuse": 8},
-    kind="logits")
+    kind="logits", vllm=VLLM_TIER["tier-remote-longer"])
 
 scenario(
     "tier-tie-stays-local", "", "TIER",
@@ -271,7 +319,8 @@ scenario(
     "wins and nothing is loaded.",
     [sub("a", LONG), drain(), sub("b", LONG[:7]), drain(), sub("j", JUNK), drain(),
      sub("c", LONG[:8] + [50, 51]), drain()],
-    impl_config=tier_config(6, 6), check="tier-races", expect={"request": "c", "winner": "local", "reuse": 8})
+    impl_config=tier_config(6, 6), check="tier-races", expect={"request": "c", "winner": "local", "reuse": 8},
+    vllm=VLLM_TIER["tier-tie-stays-local"])
 
 scenario(
     "tier-local-mid-block-vs-remote-boundary", "tier-tail-not-released", "TIER",
@@ -283,7 +332,7 @@ scenario(
     [sub("a", LONG), drain(), sub("b", LONG[:7]), drain(), sub("j", JUNK), drain(),
      sub("c", LONG[:8] + [50, 51]), drain()],
     impl_config=tier_config(8, 5), check="tier-races", expect={"request": "c", "winner": "remote", "reuse": 8},
-    kind="invariant")
+    kind="invariant", vllm=VLLM_TIER["tier-local-mid-block-vs-remote-boundary"])
 
 
 def main(names: list[str]) -> None:

@@ -13,8 +13,6 @@ from conformance.suite.run import RunOptions
 REFERENCE_MUTANTS = sorted(m.name for m in mutants_for("reference"))
 # Mutants the quick profile does not catch yet, each with why (a known blind
 # spot, reported; never a pass).  Its scenario still catches it by replay.
-# (tier-tail-not-released escaped until slots-scarce's pool became 24 blocks: it now leaks a KV block
-# there that the idle refcount check sees, 6 operations.)
 ESCAPES: dict[str, str] = {}
 
 

@@ -100,3 +100,38 @@ def test_skips_are_pytest_skips_and_the_adapter_imports_from_the_current_directo
                            "--hybrid-impl", "nosuchmodule:X"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode != 0 and "run from the directory that holds nosuchmodule" in proc.stdout + proc.stderr
+
+
+def test_one_test_per_variant_of_the_configuration_matrix(tmp_path):
+    """An implementation that declares a configuration matrix gets one pytest
+    test per variant, as the CLI runs them, each with the check's seed;
+    ``--hybrid-no-matrix`` runs the check once; the fixture form lists the
+    variants through ``check_ids(profile, impl)``."""
+    (tmp_path / "matrixcache.py").write_text(
+        "from conformance.adapters.reference import ReferenceCache\n\n"
+        "class MatrixCache(ReferenceCache):\n"
+        "    name = 'matrix-cache'\n"
+        "    config_matrix = {'mid-block-hits': ({}, {'interval': 8})}\n")
+    (tmp_path / "test_fixture_form.py").write_text(
+        "from conformance.pytest_plugin import check_ids\n"
+        "from matrixcache import MatrixCache\n\n"
+        "def test_variants_listed():\n"
+        "    ids = check_ids('quick', MatrixCache)\n"
+        "    assert ids[:2] == ['mid-block-hits', 'mid-block-hits[interval=8]']\n"
+        "    assert check_ids('quick', MatrixCache, {'interval': 0})[:2] == ['mid-block-hits', 'multi-turn-replay']\n")
+    report = tmp_path / "rep"
+    common = ("--hybrid-impl", "matrixcache:MatrixCache", "--hybrid-check", "mid-block-hits",
+              "--hybrid-examples", "3", "--hybrid-steps", "4")
+    proc = _pytest(tmp_path, *common, "--hybrid-report-dir", str(report))
+    out = proc.stdout + proc.stderr
+    # three examples are too few to reach mid-block hits: both variants fail on coverage, the listing test passes
+    assert "2 failed, 1 passed" in out and "hybrid-conformance[mid-block-hits[interval=8]]" in out, out
+    results = json.loads((report / "results.json").read_text())
+    assert [c["id"] for c in results["checks"]] == ["mid-block-hits", "mid-block-hits[interval=8]"]
+    proc = _pytest(tmp_path, *common, "--hybrid-no-matrix", "--hybrid-option", "interval=0", "test_fixture_form.py",
+                   "--hybrid-report-dir", str(tmp_path / "rep2"))
+    out = proc.stdout + proc.stderr
+    assert "1 failed, 1 passed" in out and "interval=8]" not in out, out
+    results = json.loads((tmp_path / "rep2" / "results.json").read_text())
+    assert [c["id"] for c in results["checks"]] == ["mid-block-hits"]
+    assert results["impl_config"]["options"] == {"interval": 0}

@@ -6,6 +6,7 @@ configuration is given), with the expected-hit oracle judging the replay."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -48,6 +49,40 @@ def test_reconciliation_case_on_the_reference(path, tiny):
     expect = json.loads(path.read_text())["expect"]
     out = replay(repro, cli_mutant="none", model=tiny, keep_events=True)
     assert not out.reproduced, f"{path.name}: {out.kind}: {out.message}"
-    start, loaded = _outcome(out.events, expect["request"])
+    _assert_outcome(out.events, expect)
+
+
+def _assert_outcome(events: list[dict], expect: dict) -> None:
+    start, loaded = _outcome(events, expect["request"])
     assert start == expect["reuse"], f"{expect['request']} reused {start}, expected {expect['reuse']}"
     assert loaded == (expect["winner"] == "remote"), f"winner: expected {expect['winner']}, loads issued: {loaded}"
+
+
+VLLM_CASES = [p for p in CASES if "vllm" in json.loads(p.read_text())]
+
+
+def test_every_case_has_a_vllm_configuration():
+    assert VLLM_CASES == CASES
+
+
+@pytest.mark.parametrize("path", VLLM_CASES, ids=[p.stem for p in VLLM_CASES])
+def test_reconciliation_case_on_vllm(path, tiny):
+    """The same operations on vLLM's scheduler with the store connector
+    (``vllm`` in the file: options, pool size, and the expected winner and
+    reuse where vLLM's own semantics give other values, with the reason):
+    the winner and the reuse are read from the plans, as on the reference,
+    and the replay must pass (logits, invariants, the expected-hit oracle)."""
+    pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm]")
+    doc = json.loads(path.read_text())
+    cfg = doc["vllm"]
+    expect = {**doc["expect"], **cfg.get("expect", {})}
+    repro = load(path)
+    impl_config = dataclasses.replace(repro.impl_config, num_kv_blocks=cfg["num_kv_blocks"],
+                                      num_state_slots=cfg["num_kv_blocks"], options=cfg["options"])
+    out = replay(dataclasses.replace(repro, impl_config=impl_config), cli_impl="vllm", cli_mutant="none",
+                 model=tiny, keep_events=True)
+    assert not out.reproduced, f"{path.name} on vLLM: {out.kind}: {out.message}"
+    _assert_outcome(out.events, expect)
+    if expect["winner"] == "remote":  # the loads landed whole (the connector reported them, vLLM resumed)
+        done = [ev for ev in out.events if ev.get("event") == "transfer-done"]
+        assert done and all(ev["ok"] for ev in done)

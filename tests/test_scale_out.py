@@ -82,3 +82,11 @@ def test_merging_shards_gives_one_report(tmp_path):
     assert (tmp_path / "all" / "junit.xml").exists() and (tmp_path / "all" / "index.html").exists()
     # the same shard twice is refused (exit 2), not double counted
     assert merge_main([str(tmp_path / "bad"), str(tmp_path / "shard-1"), str(tmp_path / "shard-1")]) == 2
+
+
+def test_one_check_draws_what_it_draws_in_the_whole_run():
+    """``--check X`` seeds X by its position in the profile, not in the
+    ``--check`` list: narrowing a run to the failing check draws its examples."""
+    both = run(RunOptions(checks=["mid-block-hits", "snapshot-reuse"], examples=3, steps=4, write_reports=False))
+    alone = run(RunOptions(checks=["snapshot-reuse"], examples=3, steps=4, write_reports=False))
+    assert alone.checks[0].coverage == both.checks[1].coverage and alone.checks[0].steps == both.checks[1].steps

@@ -73,6 +73,18 @@ def test_held_loads_wait_for_decisions_and_the_reference_survives_each(tiny):
         assert s.idle() and not s.pending_loads()
 
 
+def test_an_entry_whose_load_broke_is_not_held_for_the_next_request(tiny):
+    """A load delivered short, completed by a step that runs no request, then a
+    second request for the same prefix: a correct cache may stop trusting the
+    broken entry, so the oracle must not hold it for the second request either
+    (it used to learn of the broken load only at the next step with requests)."""
+    s = judged_session(ReferenceCache, CONFIG, tiny, Oracle(tiny), families=("expected-hit",))
+    ops = _displaced([Deliver(0, "short")])[:-1] + [Step(1), Submit("d", LONG + (6, 7, 8)), Drain(1024)]
+    for op in ops:
+        s.apply(op)
+    assert s.control.counts["short"] == 1 and s.idle()
+
+
 def test_transfer_decisions_replay_exactly_from_a_repro_file(tmp_path, tiny):
     """A failure found with decisions in it (a load completing two steps late
     meets a cache that does not wait for its loads) replays to the same
@@ -160,3 +172,21 @@ def test_checkpoints_beyond_the_free_slots_are_not_failed():
     with pytest.raises(ConformanceFailure) as exc:
         check._check_capacity(Session(empty), wanted, type("Now", (), {"states": set()})())
     assert exc.value.kind == "hit-rate"
+
+
+def test_an_entry_in_transit_when_the_request_was_matched_is_not_held_against_it(tiny):
+    """Two requests compared in one schedule: the first one's load
+    destinations evict a state the second could reuse, whose offload runs
+    only after the schedule; the second was matched while that state was
+    held nowhere, so reusing the shorter prefix is right (the oracle's floor
+    includes the schedule of a plan that only carries transfers)."""
+    a = (36, 62, 28, 12, 56, 29, 60, 33, 31, 39, 2, 26, 34, 40, 33, 58, 59, 20, 29, 8, 53, 27, 6, 31, 5, 26, 9, 10,
+         9, 4, 45)
+    config = ImplConfig(block_size=4, num_kv_blocks=28, num_state_slots=10, options={"host_tier": True})
+    s = judged_session(ReferenceCache, config, tiny, Oracle(tiny), families=("expected-hit",))
+    for op in (Submit("r1", a, 1), Drain(1024), Submit("r2", a[:2], 1),
+               Submit("r3", (19, 57, 43, 21, 0, 9, 0, 20, 45, 0, 27), 1), Submit("r4", a[:4] + (50,), 1),
+               Drain(1024), Submit("r5", a[:19] + (17, 55, 2, 60), 2), Submit("r6", a[:21] + (16, 31, 12, 53), 1),
+               Drain(3)):
+        s.apply(op)
+    assert s.idle()

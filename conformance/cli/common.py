@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
-from conformance.errors import UsageError
+from conformance.suite.options import parse_options
+
+__all__ = ["parse_options"]  # re-exported: the subcommands import it from here
 
 
 def positive_int(text: str) -> int:
@@ -46,19 +47,6 @@ def add_impl_options(p) -> None:
                    help="override the checks' KV pool size (ImplConfig.num_kv_blocks; at least 2)")
     p.add_argument("--state-slots", type=int, default=None, metavar="N",
                    help="override the checks' state-slot pool size (ImplConfig.num_state_slots; at least 2)")
-
-
-def parse_options(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise UsageError(f"--option {pair!r}: expected KEY=VALUE")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 class Progress:

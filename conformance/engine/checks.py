@@ -78,6 +78,9 @@ def _engine_error_failure(tr: Trace) -> Failure:
 
 def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None, hf: TransformersReference | None,
           tol: Tolerance, measurements: dict) -> CheckResult:
+    """Every request of the trace against the references; the first failure
+    found (in round order) is the check's, after a noise verdict that makes
+    any cache-off comparison untrustworthy."""
     cov = dict.fromkeys(("requests", "rounds", "cache_hits", "mid_block_hits", "expected_hits", "expected_hits_met",
                          "cached_tokens", "generated_tokens", "compared_cache_off", "compared_transformers",
                          "evicted_replays"), 0)
@@ -88,69 +91,16 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
     too_noisy = noise_verdict(tol) if off is not None else None
     if too_noisy:  # no comparison with cache-off can be trusted: said first, never widened
         failure = Failure(kind="noise", message=too_noisy, steps=tr.repro())
-    max_off = max_hf = 0.0
-    hit_deltas: list[float] = []  # per request max |Δ| vs cache-off, for requests that hit
-    miss_deltas: list[float] = []  # ... and for those that did not (the null distribution)
+    deltas = _Deltas()
     best_hit: dict[tuple[int, ...], int] = {}
     for ri, (rnd, outs, bnds) in enumerate(zip(tr.rounds, tr.outputs, tr.bounds)):
         cov["rounds"] += 1
         for req, out, bound in zip(rnd, outs, bnds):
-            cov["requests"] += 1
-            cov["generated_tokens"] += len(out.tokens)
-            cov["cached_tokens"] += out.cached_tokens
-            if out.cached_tokens > 0:
-                cov["cache_hits"] += 1
-                if req.shared % block_size:
-                    cov["mid_block_hits"] += 1
-            if req.expect_hit:
-                cov["expected_hits"] += 1
-                cov["expected_hits_met"] += out.cached_tokens > 0
-            # A replay that hits less than the same prompt did before was evicted (in part).
-            if "after flood" in req.label and out.cached_tokens < best_hit.get(req.prompt, 0):
-                cov["evicted_replays"] += 1
-            best_hit[req.prompt] = max(best_hit.get(req.prompt, 0), out.cached_tokens)
-            where = {"round": ri, "label": req.label, "prompt_len": len(req.prompt),
-                     "cached_tokens": out.cached_tokens, "tokens": list(out.tokens), "logprobs": list(out.logprobs)}
-            if failure is None and (out.cached_tokens > bound or len(out.logprobs) != len(out.tokens)):
-                failure = Failure(kind="contract", message=(
-                    f"{req.label}: engine reports {out.cached_tokens} cached tokens, but no sequence it was shown "
-                    f"shares more than {bound} tokens with this prompt" if out.cached_tokens > bound else
-                    f"{req.label}: {len(out.tokens)} tokens but {len(out.logprobs)} logprobs"),
-                    steps=tr.repro(ri), events=[where])
-            if off is not None:
-                ref = off.get(req.prompt, req.max_tokens)
-                cov["compared_cache_off"] += 1
-                n = common_run(out.tokens, ref.tokens)
-                d = max_abs_delta(out.logprobs[:n], ref.logprobs[:n])
-                max_off = max(max_off, d)
-                (hit_deltas if out.cached_tokens else miss_deltas).append(d)
-                mm = compare_to_cache_off(out.tokens, out.logprobs, ref.tokens, ref.logprobs, tol)
-                if mm and failure is None:
-                    failure = Failure(kind="logits", message=f"{req.label} (cached {out.cached_tokens} of "
-                                      f"{len(req.prompt)} prompt tokens) vs cache-off engine: {mm.message}",
-                                      steps=tr.repro(ri), events=[where, {"cache_off_tokens": list(ref.tokens),
-                                                                          "cache_off_logprobs": list(ref.logprobs)}])
-            if hf is not None:
-                sc = hf.score(req.prompt + out.tokens, len(req.prompt))
-                cov["compared_transformers"] += 1
-                max_hf = max(max_hf, max_abs_delta(out.logprobs, sc.chosen))
-                baseline: tuple[float, ...] = ()
-                if off is not None:
-                    ref = off.get(req.prompt, req.max_tokens)
-                    sc_off = hf.score(req.prompt + ref.tokens, len(req.prompt))
-                    k = common_run(out.tokens, ref.tokens)
-                    baseline = tuple(abs(a - b) for a, b in zip(ref.logprobs[:k], sc_off.chosen[:k]))
-                mm = compare_to_transformers(out.tokens, out.logprobs, sc, tol, baseline)
-                if mm and failure is None:
-                    failure = Failure(kind="logits", message=f"{req.label} (cached {out.cached_tokens} of "
-                                      f"{len(req.prompt)} prompt tokens) vs transformers: {mm.message}",
-                                      steps=tr.repro(ri), events=[where, {"transformers": sc.to_dict()}])
-    mean = lambda xs: round(sum(xs) / len(xs), 6) if xs else None  # noqa: E731
+            _count(cov, req, out, block_size, best_hit)
+            found = _judge_request(tr, ri, req, out, bound, off, hf, tol, cov, deltas)
+            failure = failure or found
     # A cache bug moves the hit requests' distribution away from the misses'.
-    measurements[tr.check_id] = {"max_abs_delta_cache_off": max_off, "max_abs_delta_transformers": max_hf,
-                                 "mean_abs_delta_cache_off_hits": mean(hit_deltas),
-                                 "mean_abs_delta_cache_off_misses": mean(miss_deltas),
-                                 "seconds": round(tr.seconds, 2)}
+    measurements[tr.check_id] = {**deltas.summary(), "seconds": round(tr.seconds, 2)}
     if tr.error is not None and (failure is None or failure.kind == "noise"):
         failure = _engine_error_failure(tr)
     if failure is None and cov["expected_hits"]:
@@ -164,6 +114,83 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
         res.status = "failed"
         res.failure = failure
     return res
+
+
+@dataclass
+class _Deltas:
+    """The largest |Δlogprob| against each reference, and per request against
+    cache-off, split by whether the request hit (misses: the null distribution)."""
+
+    max_off: float = 0.0
+    max_hf: float = 0.0
+    hits: list[float] = field(default_factory=list)
+    misses: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        mean = lambda xs: round(sum(xs) / len(xs), 6) if xs else None  # noqa: E731
+        return {"max_abs_delta_cache_off": self.max_off, "max_abs_delta_transformers": self.max_hf,
+                "mean_abs_delta_cache_off_hits": mean(self.hits), "mean_abs_delta_cache_off_misses": mean(self.misses)}
+
+
+def _count(cov: dict, req, out, block_size: int, best_hit: dict) -> None:
+    cov["requests"] += 1
+    cov["generated_tokens"] += len(out.tokens)
+    cov["cached_tokens"] += out.cached_tokens
+    if out.cached_tokens > 0:
+        cov["cache_hits"] += 1
+        if req.shared % block_size:
+            cov["mid_block_hits"] += 1
+    if req.expect_hit:
+        cov["expected_hits"] += 1
+        cov["expected_hits_met"] += out.cached_tokens > 0
+    # A replay that hits less than the same prompt did before was evicted (in part).
+    if "after flood" in req.label and out.cached_tokens < best_hit.get(req.prompt, 0):
+        cov["evicted_replays"] += 1
+    best_hit[req.prompt] = max(best_hit.get(req.prompt, 0), out.cached_tokens)
+
+
+def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffReference | None,
+                   hf: TransformersReference | None, tol: Tolerance, cov: dict, deltas: _Deltas) -> Failure | None:
+    """One request: what the engine says of itself (cached tokens within what
+    it was shown, one logprob per token), then against cache-off, then
+    against transformers.  Every comparison is measured even after a failure."""
+    failure: Failure | None = None
+    where = {"round": ri, "label": req.label, "prompt_len": len(req.prompt),
+             "cached_tokens": out.cached_tokens, "tokens": list(out.tokens), "logprobs": list(out.logprobs)}
+    what = f"{req.label} (cached {out.cached_tokens} of {len(req.prompt)} prompt tokens)"
+    if out.cached_tokens > bound or len(out.logprobs) != len(out.tokens):
+        failure = Failure(kind="contract", message=(
+            f"{req.label}: engine reports {out.cached_tokens} cached tokens, but no sequence it was shown "
+            f"shares more than {bound} tokens with this prompt" if out.cached_tokens > bound else
+            f"{req.label}: {len(out.tokens)} tokens but {len(out.logprobs)} logprobs"),
+            steps=tr.repro(ri), events=[where])
+    if off is not None:
+        ref = off.get(req.prompt, req.max_tokens)
+        cov["compared_cache_off"] += 1
+        n = common_run(out.tokens, ref.tokens)
+        d = max_abs_delta(out.logprobs[:n], ref.logprobs[:n])
+        deltas.max_off = max(deltas.max_off, d)
+        (deltas.hits if out.cached_tokens else deltas.misses).append(d)
+        mm = compare_to_cache_off(out.tokens, out.logprobs, ref.tokens, ref.logprobs, tol)
+        if mm and failure is None:
+            failure = Failure(kind="logits", message=f"{what} vs cache-off engine: {mm.message}",
+                              steps=tr.repro(ri), events=[where, {"cache_off_tokens": list(ref.tokens),
+                                                                  "cache_off_logprobs": list(ref.logprobs)}])
+    if hf is not None:
+        sc = hf.score(req.prompt + out.tokens, len(req.prompt))
+        cov["compared_transformers"] += 1
+        deltas.max_hf = max(deltas.max_hf, max_abs_delta(out.logprobs, sc.chosen))
+        baseline: tuple[float, ...] = ()
+        if off is not None:  # what the cache-off engine itself differs from transformers by, position by position
+            ref = off.get(req.prompt, req.max_tokens)
+            sc_off = hf.score(req.prompt + ref.tokens, len(req.prompt))
+            k = common_run(out.tokens, ref.tokens)
+            baseline = tuple(abs(a - b) for a, b in zip(ref.logprobs[:k], sc_off.chosen[:k]))
+        mm = compare_to_transformers(out.tokens, out.logprobs, sc, tol, baseline)
+        if mm and failure is None:
+            failure = Failure(kind="logits", message=f"{what} vs transformers: {mm.message}",
+                              steps=tr.repro(ri), events=[where, {"transformers": sc.to_dict()}])
+    return failure
 
 
 def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: TransformersReference,

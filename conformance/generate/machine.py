@@ -25,6 +25,7 @@ configuration to be defined.
 
 from __future__ import annotations
 
+import random
 import time
 import zlib
 from collections.abc import Callable
@@ -493,7 +494,7 @@ class Transfers(_Base):
         return self.enabled("transfers") and self.session is not None and bool(self.session.pending_loads())
 
     @configured_rule(precondition=lambda self: self.enabled("transfers") and self.session is not None
-                     and not self.session.active() and self.finished,
+                     and self.finished,
                      which=lambda c: st.integers(0, 7), junk=_junk,
                      fates=lambda c: st.lists(st.tuples(st.integers(0, 3),
                                                         st.sampled_from(("short", "fail", "evict", "ok")),
@@ -502,6 +503,8 @@ class Transfers(_Base):
         """A finished prompt displaced to the host tier and asked for again;
         its loads are decided at once (outcome, delay, order; or the host
         entry evicted after the lookup)."""
+        if self.session.active():  # requests are rarely all finished between rules: finish them
+            self.apply(Drain(1024))
         # the longer prompts first: only what spans a block can come back from the tier
         longest = sorted(self.finished, key=lambda r: -self.session.tracks[r].prompt_len)
         prev = self.session.tracks[longest[which % min(2, len(longest))]]
@@ -554,6 +557,41 @@ class Transfers(_Base):
         if self.fits(len(prompt), 1):
             self.apply(Submit(self.new_id(), prompt, 1))
         self.apply(Step(1024))
+
+    @configured_rule(precondition=lambda self: self.enabled("transfers") and self.session is not None
+                     and not self.session.active(),
+                     seed=lambda c: st.integers(0, 2**32 - 1),
+                     length=lambda c: st.integers(c.max_len // 2, c.max_len - 1), k=lambda c: st.integers(1, 2),
+                     offset=lambda c: st.integers(1, max(1, c.B - 1)), more=lambda c: st.integers(0, 1),
+                     fate=lambda c: st.sampled_from(("ok", "evict", "ok", "fail", "ok", "short")))
+    def local_tail_against_remote(self, seed, length, k, offset, more, fate):
+        """The tiers' fourth case: a local hit ending inside block ``k``
+        against the host tier's hit at that block's end.  A prompt is cached,
+        then a prefix of it ending inside the block; distinct junk displaces
+        the older entries (the state at the boundary goes to the host tier)
+        but not the younger, mid-block one: it takes as many state slots as
+        the pool has beyond the prompt's checkpoints (one per block, the
+        densest a cache keeps), so an LRU keeps the entry cached last.  Then
+        the prompt up to the boundary and one diverging token is asked for,
+        and its load decided (``fate``) before it runs.  The tokens come from
+        ``seed`` (a few draws instead of two prompts' worth)."""
+        B, cut, vocab = self.B, k * self.B, self.model.config.vocab_size
+        if cut >= length:
+            return
+        rng = random.Random(seed)
+        a = tuple(rng.randrange(vocab) for _ in range(length))
+        blocks = min(self.max_len // B, max(1, self.impl_config.num_state_slots - -(-length // B) + more))
+        junk = ((a[0] + 1 + rng.randrange(max(1, vocab - 1))) % vocab,) + tuple(  # never A's start
+            rng.randrange(vocab) for _ in range(blocks * B - 2))
+        other = (a[cut] + 1 + rng.randrange(max(1, vocab - 1))) % vocab  # never A's token after the boundary
+        for i, seq in enumerate((a, a[: cut - B + offset], junk, a[:cut] + (other,))):
+            if self.fits(len(seq), 1):
+                self.apply(Submit(self.new_id(), seq, 1))
+                if i == 3:
+                    self.apply(Step(1))  # the tiers are compared, the loads issued
+                    if self.session.pending_loads():
+                        self.apply(StoreEvict(0) if fate == "evict" else Deliver(0, fate, 0))
+                self.apply(Drain(1024))
 
 
 #: Rule groups a check adds by name, beyond the base machine's.  Hypothesis

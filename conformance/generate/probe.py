@@ -16,6 +16,15 @@ and configuration (memoized for the process):
   alike), the longest whole-block prompt it serves, one block less (so that
   a prefix hit that pins one more block cannot make a correct cache fail).
 
+Why one block is what a correct cache owes: a hit that ends on a block
+boundary costs at most the one state block it resumes from beyond what
+recomputing costs.  A hit may cost more (a copy-on-write of a partial
+block: vLLM's sub-block hits take three blocks more than a miss), but a
+cache can always decline a hit that does not fit and recompute; one that
+never does leaves a request that its own empty pool serves waiting forever
+at idle.  That is a liveness defect, and the probe reports it as such (its
+message names the held prefix, see ``Session._probe``).
+
 Calibration runs without checkers and without environment faults; an
 implementation that fails or raises while being measured is probed only as
 far as the measurement got (its check reports the failure itself).

@@ -204,11 +204,28 @@ class Session:
             if op.kv_tokens:
                 self._submit(Submit(f"probe{self._probes}-kv", long, 1))
                 need = -(-op.kv_tokens // lay.block_size)
+                # Not only a leak starves it: a cache whose hit on a held prefix needs
+                # more of the pool than recomputing (a copy-on-write of a partial
+                # block) and that never recomputes instead waits forever at idle too.
+                held = self._held_prefix(long)
+                why = leaked if not held else (f"{leaked}, or a hit on its first {held} tokens (a state slot "
+                                               f"holds them) needs more of the pool than recomputing them "
+                                               f"and the cache never recomputes instead")
                 self._probe_drain(f"a {op.kv_tokens}-token request ({need} of the {lay.num_kv_blocks} KV blocks), "
-                                  f"which a fresh instance serves,", leaked)
+                                  f"which a fresh instance serves,", why)
         finally:
             self.probing = False
             self.ended = True  # the runner stays dry: memory's bytes no longer match its provenance
+
+    def _held_prefix(self, prompt) -> int:
+        """The longest proper prefix of ``prompt`` whose state some slot holds,
+        by the harness memory's provenance (not by what the view says)."""
+        held = 0
+        for slot in range(self.layout.num_state_slots):
+            conv, ssm = self.memory.state_holds(slot)
+            if conv is not None and conv == ssm and held < len(conv) < len(prompt) and prompt[:len(conv)] == conv:
+                held = len(conv)
+        return held
 
     def _probe_drain(self, what: str, why: str) -> None:
         try:
@@ -262,8 +279,13 @@ class Session:
 
     def _without_requests(self, plan: StepPlan) -> None:
         """A plan that computes nothing: transfers and copies only, or a stall."""
-        self.checkers.notify("scheduled", self, plan, None)
-        if plan.transfers or plan.kv_copies or plan.state_copies or self.runner.transport.busy():
+        progress = bool(plan.transfers or plan.kv_copies or plan.state_copies or self.runner.transport.busy())
+        # Requests that wait on loads were matched in this schedule: the
+        # checkers see what the cache held then (an entry evicted by another
+        # request's load destinations is neither on the device nor, its
+        # offload not run yet, in the host store).
+        self.checkers.notify("scheduled", self, plan, self.call("view") if progress else None)
+        if progress:
             # requests wait for their loads (or copies prepare them): progress, not a stall
             self._stalled = 0
             try:

@@ -130,6 +130,9 @@ class ExpectedHit(Checker):
     def scheduled(self, session, plan, view) -> None:
         if self.decl is None or view is None or self.decl.get("tier_unit") is None:
             return
+        # Loads broken since the last step the checkers saw (a step that only
+        # completed transfers need not reach ``stepped``): not held for anyone.
+        self._note_broken_loads(session)
         waiting = [rid for rid, t in session.tracks.items() if not t.done and t.computed is None]
         for rid in waiting:
             track = session.tracks[rid]

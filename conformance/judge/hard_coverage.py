@@ -27,20 +27,27 @@ evictions, which the coverage checker counts from views memory proved honest.
   ``aborts_mid_prefill_after_mid_block_hit``: aborts of requests that ran;
 - ``loads_broken`` (failed or short), ``loads_held``, ``loads_delayed``, ``loads_failed``, ``loads_short``,
   ``loads_reordered``, ``store_evicted_during_load``, ``claims_while_loading``,
-  ``aborts_while_loading``: the transfer decisions that acted.
+  ``aborts_while_loading``: the transfer decisions that acted;
+- ``mid_block_local_vs_remote``: a prompt submitted when the longest prefix
+  the device could reuse for it ends inside a block and the host store (with
+  the device) holds a longer one up to a block boundary: the tiers' fourth
+  reconciliation case, where a cache holds a block for the local tail while
+  it compares.
 """
 
 from __future__ import annotations
 
 from conformance.harness.checker import Checker
 from conformance.harness.transfer_control import TransferControl
+from conformance.judge.expected_hit import StoreIndex
 from conformance.judge.reuse import INDEXES
 
 HARD_COUNTERS = ("evictions_while_running", "same_step_cold_prefills", "aba_rerequests", "in_block_divergences",
                  "tail_divergences", "matched_then_evicted", "snapshot_hits_under_slot_pressure",
                  "aborts_mid_prefill", "aborts_mid_decode", "aborts_mid_prefill_after_mid_block_hit")
 TRANSFER_COUNTERS = ("loads_broken", "loads_held", "loads_delayed", "loads_failed", "loads_short", "loads_reordered",
-                     "store_evicted_during_load", "claims_while_loading", "aborts_while_loading")
+                     "store_evicted_during_load", "claims_while_loading", "aborts_while_loading",
+                     "mid_block_local_vs_remote")
 _CONTROL = {"held": "loads_held", "delayed": "loads_delayed", "failed": "loads_failed", "short": "loads_short",
             "reordered": "loads_reordered", "store_evicted": "store_evicted_during_load"}
 
@@ -86,6 +93,29 @@ class HardHistoryCoverage(Checker):
         pending = {t.request_id for t in session.pending_loads()} if session.runner.transport.deferred else set()
         loading = [session.tracks[r].tokens[:B] for r in pending if r in session.tracks and r != request.request_id]
         self._count(session, "claims_while_loading", any(prompt[:B] == p for p in loading))
+        self._count(session, "mid_block_local_vs_remote", self._tail_against_boundary(session, prompt))
+
+    @staticmethod
+    def _tail_against_boundary(session, prompt) -> bool:
+        """The device's best reuse for ``prompt`` ends inside a block, and a
+        longer prefix up to a block boundary is held whole by the host store
+        and the device together (its blocks, and the state at its end in the
+        store), as the last view and the store's provenance say."""
+        store, B = session.runner.transport.store, session.layout.block_size
+        if not store.entries or session.last_view is None:
+            return False
+        here = INDEXES.get(session.last_view, B)
+        local = here.best_reuse(prompt)
+        if not local % B:
+            return False
+        there = StoreIndex(store, B)
+        for k in range(local // B + 1, (len(prompt) - 1) // B + 1):
+            if any(prompt[: i * B] not in there.kv and prompt[: i * B] not in here.kv_by_block.get(i - 1, ())
+                   for i in range(1, k + 1)):
+                return False
+            if prompt[: k * B] in there.states:
+                return True
+        return False
 
     def scheduled(self, session, plan, view):
         B = session.layout.block_size

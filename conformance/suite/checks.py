@@ -116,3 +116,15 @@ def get_check(check_id: str) -> CheckSpec:
         if spec.id == check_id:
             return spec
     raise KeyError(f"unknown check {check_id!r}; known: {', '.join(s.id for s in CHECKS + (MIXED,))}")
+
+
+def seed_index(profile: Profile, check_id: str, fallback: int) -> int:
+    """The index that seeds a check: its position in the whole profile (a
+    variant's is its check's), so that ``--check``, a shard, a worker and the
+    pytest plugin draw exactly the examples of the full run.  A check the
+    profile does not hold (``mixed`` under quick) is seeded after it: ``fallback``."""
+    from conformance.suite.config_matrix import parse_variant_id
+
+    ids = [s.id for s in profile.checks]
+    base = parse_variant_id(check_id)[0]
+    return ids.index(base) if base in ids else len(ids) + fallback

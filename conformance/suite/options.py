@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from conformance.errors import UsageError
 from conformance.model import ModelConfig
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-hybrid.toml"
@@ -93,3 +95,15 @@ def now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
+def parse_options(pairs: list[str]) -> dict:
+    """``["k=v", ...]`` (``--option``, ``--hybrid-option``) -> ``{k: v}``, values read as JSON when they parse."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--option {pair!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

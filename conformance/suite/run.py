@@ -14,7 +14,7 @@ from conformance.judge.metrics import merge_summaries
 from conformance.model import TinyHybrid
 from conformance.results import report
 from conformance.results.records import RunResult
-from conformance.suite.checks import PROFILES
+from conformance.suite.checks import PROFILES, seed_index
 from conformance.suite.config_matrix import expand
 from conformance.suite.execute import check_faults_exercised, record_check, run_check
 from conformance.suite.options import RunOptions, default_report_dir, now
@@ -25,9 +25,10 @@ __all__ = ["RunOptions", "run", "select_shard"]
 
 def run(opts: RunOptions) -> RunResult:
     factory, name, specs, model_config, env = prepare(opts)
-    # A check's seed comes from its position in the whole profile, so a shard
-    # or a worker runs exactly the examples the unsplit run would.
-    planned = list(enumerate(specs))
+    # A check's seed comes from its position in the whole profile, so a shard,
+    # a worker or a run of one --check draws exactly the examples the whole run would.
+    profile = PROFILES[opts.profile]
+    planned = [(seed_index(profile, spec.id, i), spec) for i, spec in enumerate(specs)]
     if opts.matrix:
         planned = expand(planned, factory, opts.impl_options)  # variants keep their check's index (seed)
     if opts.shard:
@@ -50,7 +51,6 @@ def run(opts: RunOptions) -> RunResult:
     if opts.write_reports:
         out = Path(opts.report_dir or default_report_dir(opts.impl, opts.seed, opts.mutant, opts.faults))
         out.mkdir(parents=True, exist_ok=True)
-    profile = PROFILES[opts.profile]
     notify = opts.progress or (lambda *a, **k: None)
     parallel = None
     try:

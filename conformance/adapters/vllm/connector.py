@@ -211,6 +211,12 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             tokens = req.all_token_ids
             wanted = [("kv", (i + 1) * B, rs.block_table[i]) for i in range(rs.start // B, rs.end // B)]
+            # The states at block boundaries the step leaves behind: a
+            # prefill checkpoint exported from inside the step (MambaMixer2's
+            # spec: vLLM no longer ends a chunk there, so without these the
+            # store would rarely hold a state to claim), and the running
+            # state when the step ends on one.
+            wanted += [("state", p, slot) for p, slot in rs.snapshots if p % B == 0]
             if rs.end % B == 0:
                 wanted.append(("state", rs.end, rs.state_slot))
             for kind, p, device in wanted:

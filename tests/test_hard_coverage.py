@@ -13,7 +13,8 @@ B = 4
 
 def fake_session(tracks: dict[str, Track]):
     session = SimpleNamespace(layout=Layout(B, 16, 8), tracks=tracks, coverage={},
-                              runner=SimpleNamespace(transport=SimpleNamespace(deferred=False)))
+                              runner=SimpleNamespace(transport=SimpleNamespace(deferred=False,
+                                                                               store=SimpleNamespace(entries={}))))
     session.pending_loads = lambda: []
     return session
 

@@ -118,10 +118,14 @@ class Fault(TransportHooks):
                 "exercised": self.consumed > 0,
                 "where": list(self.where), "description": (type(self).__doc__ or "").strip().split("\n\n")[0],
                 "trigger": asdict(self.trigger),
-                **({} if self.fired else {"hint": f"no {self.applies_to} was ever offered to this fault: does the "
-                                                  f"implementation use a host tier (the reference: "
-                                                  f"--option host_tier=true) and does the check evict "
-                                                  f"(eviction-pressure)?"})}
+                **({} if self.fired else {"hint": self._silent_hint()})}
+
+    def _silent_hint(self) -> str:
+        if self.opportunities:  # offered, but the trigger never chose one
+            return (f"{self.opportunities} {self.applies_to}(s) were offered to this fault and its trigger "
+                    f"(p={self.trigger.probability}) chose none: raise p or run more examples")
+        return (f"no {self.applies_to} was ever offered to this fault: does the implementation use a host tier "
+                f"(the reference: --option host_tier=true) and does the check evict (eviction-pressure)?")
 
 
 # -- the store -------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ def test_reference_survives_fault(name):
 
 
 def test_faults_compose():
-    names = ["evict-before-load:p=0.3", "lost-entry:p=0.3", "transfer-corrupt:p=0.3", "transfer-reorder:p=0.5",
+    # p=0.5 for the fault with the fewest opportunities (loads): at 0.3 one seed's 13 loads drew none
+    names = ["evict-before-load:p=0.5", "lost-entry:p=0.3", "transfer-corrupt:p=0.3", "transfer-reorder:p=0.5",
              "alloc-fail:p=0.1"]
     result = faulty_run(names, examples=12)
     assert result.ok, [(c.id, c.failure and c.failure.message) for c in result.checks]

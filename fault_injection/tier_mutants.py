@@ -16,6 +16,13 @@ def _subclass(factory, name: str, **methods):
     return subclass_mutant(ReferenceCache, factory, name, **methods)
 
 
+def _admit_remembering(cache, req, kv_copies):
+    """``_admit`` that remembers which request is being matched (the tier's
+    per-request records are keyed by it), for the mutants' ``_tier_match``."""
+    cache._current = req.request_id
+    return ReferenceCache._admit(cache, req, kv_copies)
+
+
 def _remote_match(cache, prompt, remote: int, slot) -> Match:
     """KV blocks for ``remote`` tokens from the device chain, state from ``slot``."""
     _kv_len, blocks, _keys = cache._match_kv(prompt)
@@ -61,11 +68,7 @@ def tier_groups_unreconciled(factory):
         slot = self.states.lookup(tuple(prompt[:local])) if local else None
         return _remote_match(self, prompt, remote, slot)
 
-    def _admit(self, req, kv_copies):
-        self._current = req.request_id
-        return ReferenceCache._admit(self, req, kv_copies)
-
-    return _subclass(factory, "tier-groups-unreconciled", _tier_match=_tier_match, _admit=_admit)
+    return _subclass(factory, "tier-groups-unreconciled", _tier_match=_tier_match, _admit=_admit_remembering)
 
 
 @register("tier-state-other-length", "GROUPS", options=TIER)
@@ -82,11 +85,7 @@ def tier_state_other_length(factory):
         _kv_len, blocks, _keys = self._match_kv(prompt)
         return Match(local, blocks[: -(-local // self.B)], slot)
 
-    def _admit(self, req, kv_copies):
-        self._current = req.request_id
-        return ReferenceCache._admit(self, req, kv_copies)
-
-    return _subclass(factory, "tier-state-other-length", _tier_match=_tier_match, _admit=_admit)
+    return _subclass(factory, "tier-state-other-length", _tier_match=_tier_match, _admit=_admit_remembering)
 
 
 @register("tier-load-not-awaited", "LIFETIME", options=TIER)
@@ -105,12 +104,8 @@ def tier_load_not_awaited(factory):
         blocks, slot = planned
         return Match(remote, list(blocks[: -(-remote // self.B)]), slot)
 
-    def _admit(self, req, kv_copies):
-        self._current = req.request_id
-        return ReferenceCache._admit(self, req, kv_copies)
-
     return _subclass(factory, "tier-load-not-awaited", _waits_for_loads=_waits_for_loads,
-                     _tier_match=_tier_match, _admit=_admit)
+                     _tier_match=_tier_match, _admit=_admit_remembering)
 
 
 @register("exact-multiple-loses-prompt-end", "HIT")

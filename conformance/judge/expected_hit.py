@@ -62,6 +62,23 @@ class StoreIndex:
                 self.states.add(prov["ssm"])
 
 
+def longest_held(prompt: Prefix, here, there: StoreIndex, B: int, unit: int) -> int:
+    """The longest multiple p of ``unit`` below the prompt's length such that
+    every block of ``prompt[:p]`` is whole on the device (``here``, an index of
+    a view) or in the host store (``there``), and the state after
+    ``prompt[:p]`` is in either: what the two tiers together hold for it."""
+    best, k = 0, 0
+    while (k + 1) * B < len(prompt):
+        full = prompt[: (k + 1) * B]
+        if full not in there.kv and full not in here.kv_by_block.get(k, ()):
+            break
+        k += 1
+        p = k * B
+        if p % unit == 0 and (prompt[:p] in there.states or prompt[:p] in here.states):
+            best = p
+    return best
+
+
 class ExpectedHit(Checker):
     name = "expected-hit"
 
@@ -83,16 +100,7 @@ class ExpectedHit(Checker):
         store = session.runner.transport.store
         if not store.entries:
             return 0
-        here, there = INDEXES.get(view, B), StoreIndex(store, B, self.distrusted)
-        best, k = 0, 0
-        while (k + 1) * B < len(prompt):
-            full = prompt[: (k + 1) * B]
-            if full not in there.kv and full not in here.kv_by_block.get(k, ()):
-                break
-            k += 1
-            p = k * B
-            if p % unit == 0 and (prompt[:p] in there.states or prompt[:p] in here.states):
-                best = p
+        best = longest_held(prompt, INDEXES.get(view, B), StoreIndex(store, B, self.distrusted), B, unit)
         if best and view is not None:
             need_blocks = best // B + 1
             free_blocks = sum(1 for r in view.kv_refcounts.values() if r == 0)

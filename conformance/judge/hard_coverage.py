@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from conformance.harness.checker import Checker
 from conformance.harness.transfer_control import TransferControl
-from conformance.judge.expected_hit import StoreIndex
+from conformance.judge.expected_hit import StoreIndex, longest_held
 from conformance.judge.reuse import INDEXES
 
 HARD_COUNTERS = ("evictions_while_running", "same_step_cold_prefills", "aba_rerequests", "in_block_divergences",
@@ -99,23 +99,14 @@ class HardHistoryCoverage(Checker):
     def _tail_against_boundary(session, prompt) -> bool:
         """The device's best reuse for ``prompt`` ends inside a block, and a
         longer prefix up to a block boundary is held whole by the host store
-        and the device together (its blocks, and the state at its end in the
-        store), as the last view and the store's provenance say."""
+        and the device together, as the last view and the store's provenance
+        say (the expected-hit oracle's measure of the tiers)."""
         store, B = session.runner.transport.store, session.layout.block_size
         if not store.entries or session.last_view is None:
             return False
         here = INDEXES.get(session.last_view, B)
         local = here.best_reuse(prompt)
-        if not local % B:
-            return False
-        there = StoreIndex(store, B)
-        for k in range(local // B + 1, (len(prompt) - 1) // B + 1):
-            if any(prompt[: i * B] not in there.kv and prompt[: i * B] not in here.kv_by_block.get(i - 1, ())
-                   for i in range(1, k + 1)):
-                return False
-            if prompt[: k * B] in there.states:
-                return True
-        return False
+        return local % B != 0 and longest_held(prompt, here, StoreIndex(store, B), B, B) > local
 
     def scheduled(self, session, plan, view):
         B = session.layout.block_size

@@ -16,3 +16,20 @@ def apply_all(session: Session, ops) -> None:
     for op in ops:
         session.apply(op)
     assert not session.active(), f"requests still active: {session.active()}"
+
+
+def run_disagg(factory, model, oracle, scenario, pairing="2to1", transport="inprocess", faults=()):
+    """A disaggregated session over ``factory`` (a ``DisaggImpl`` class or
+    factory) at ``pairing``, with ``scenario``'s disagg operations applied;
+    the workers are closed whatever happens."""
+    from conformance.contract import ImplConfig
+    from conformance.harness.disagg import ops
+    from conformance.harness.disagg.session import DisaggSession
+
+    s = DisaggSession(factory(ImplConfig(options=ops.PAIRINGS[pairing])), model, oracle, transport, tuple(faults))
+    try:
+        for op in scenario:
+            ops.apply(s, op)
+    finally:
+        s.close()
+    return s

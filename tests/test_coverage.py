@@ -4,9 +4,6 @@ was consumed."""
 
 import random
 
-import pytest
-import torch
-
 from conformance.adapters.reference import ReferenceCache
 from conformance.contract import ImplConfig
 from conformance.harness.ops import Drain, Submit
@@ -17,14 +14,6 @@ RNG = random.Random(1)
 A = tuple(RNG.randrange(64) for _ in range(13))
 JUNK = [tuple(RNG.randrange(64) for _ in range(30)) for _ in range(3)]  # turns the 12-block pool over
 COUNTED = ("prefix_hits", "hits_after_eviction", "evictions", "tier_hits", "tier_loads")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def session(model, oracle, tier=False, faults=()):

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from drive import run_disagg
 
 from conformance.adapters.reference.disagg import ReferenceDisagg
 from conformance.contract import ImplConfig
@@ -33,13 +34,7 @@ LAYOUTS = DisaggLayouts(WorkerLayout(PREFILL, 16, 8, 2), WorkerLayout(DECODE, 32
 
 
 def _run(model, oracle, scenario, pairing="2to1", transport="inprocess", faults=(), factory=ReferenceDisagg):
-    s = DisaggSession(factory(ImplConfig(options=ops.PAIRINGS[pairing])), model, oracle, transport, tuple(faults))
-    try:
-        for op in scenario:
-            ops.apply(s, op)
-    finally:
-        s.close()
-    return s
+    return run_disagg(factory, model, oracle, scenario, pairing, transport, faults)
 
 
 # -- layout -----------------------------------------------------------------------------------

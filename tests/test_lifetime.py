@@ -4,7 +4,6 @@ view says; a view without refcounts is reported as reduced assurance; and the
 refcount rule of the contract (the cache's own retention is not a reference)."""
 
 import pytest
-import torch
 
 from conformance.adapters.reference import ReferenceCache
 from conformance.contract import CachedKV, CacheView, ImplConfig, Layout, StepPlan
@@ -20,15 +19,6 @@ from conformance.suite.options import RunOptions
 from conformance.suite.single import run_single_check
 
 CFG = ImplConfig(block_size=4, num_kv_blocks=24, num_state_slots=8)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As run() does: the tiny model's tensors only pay for threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class NeverFreeCache(ReferenceCache):

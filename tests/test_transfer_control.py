@@ -190,3 +190,61 @@ def test_an_entry_in_transit_when_the_request_was_matched_is_not_held_against_it
                Drain(3)):
         s.apply(op)
     assert s.idle()
+
+
+class _NeverLoads(ReferenceCache):
+    """Ignores the host tier: offloads what it evicts, never loads it back."""
+
+    def _remote_wins(self, local, remote):
+        return False
+
+
+class _LoadsOnce(ReferenceCache):
+    """Loads for the first request that asks the host tier, never again."""
+
+    def _remote_wins(self, local, remote):
+        first = not getattr(self, "_asked", False)
+        self._asked = True
+        return first and remote > local
+
+
+def _run(factory, config, tiny, ops):
+    s = judged_session(factory, config, tiny, Oracle(tiny), families=("expected-hit",))
+    for op in ops:
+        s.apply(op)
+    return s
+
+
+def test_a_cache_that_ignores_the_host_tier_is_failed_where_its_own_admission_took_the_room(tiny):
+    """Two state slots, cached junk blocks unreferenced: room to load a
+    displaced prefix back (the reference does, and hits it).  A cache that
+    recomputes instead took a slot for its own running state, so the view
+    after its schedule shows one slot free; the oracle used to call that no
+    room and excuse the host tier.  What the request took itself is its room."""
+    config = ImplConfig(block_size=4, num_kv_blocks=8, num_state_slots=2, options={"host_tier": True})
+    ops = [Submit("a", LONG, 1), Drain(1024)]
+    for i, junk in enumerate(JUNK):
+        ops += [Submit(f"j{i}", junk, 1), Drain(1024)]
+    ops += [Submit("c", LONG + (5,), 1), Drain(1024)]
+    s = _run(ReferenceCache, config, tiny, ops)
+    assert s.coverage["tier_hits"] == 1 and s.coverage["remote_expected"] == 1  # the host tier decided
+    with pytest.raises(ConformanceFailure) as exc:
+        _run(_NeverLoads, config, tiny, ops)
+    assert exc.value.kind == "hit-rate" and "host tier 12" in str(exc.value)
+
+
+def test_a_fresh_copy_of_an_entry_whose_load_broke_is_held_again(tiny):
+    """A load delivered short: its host copy is not held for later requests.
+    Once the block is recomputed, evicted and offloaded again, the store holds
+    a new copy under the same key, and a cache that never loads it is failed
+    (the oracle used to distrust the key for the rest of the session)."""
+    more = [tuple(reversed(JUNK[0])), tuple(reversed(JUNK[1])), tuple(x * 7 % 64 for x in range(1, 19))]
+    ops = _displaced([Deliver(0, "short")])
+    for i, junk in enumerate(more):
+        ops += [Submit(f"k{i}", junk, 1), Drain(1024)]
+    ops += [Submit("d", LONG + (6, 7, 8)), Drain(1024)]
+    s = _run(ReferenceCache, CONFIG, tiny, ops)
+    assert s.control.counts["short"] == 1 and s.coverage["tier_hits"] == 1
+    with pytest.raises(ConformanceFailure) as exc:
+        _run(_LoadsOnce, CONFIG, tiny, ops)
+    assert exc.value.kind == "hit-rate" and "request d" in str(exc.value)

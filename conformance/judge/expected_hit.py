@@ -5,13 +5,17 @@ implementation could reuse, computed from what the harness knows is held.
   implementation's view, which memory with provenance proved honest every
   step), the least over every ``schedule()`` between the request's submission
   and its first step (:class:`~conformance.judge.reuse.LookupWindow`: what
-  was evicted or registered meanwhile cannot be held for or against it).
+  was evicted or registered meanwhile cannot be held for or against it),
+  schedules whose plan computed nothing included: those are where a request
+  waits for its own loads, and what its loads bring in is the remote part's,
+  not a local hit it had when it was matched.
 - **Remote**: what the harness's host store holds, read by provenance (never
   by the implementation's keys): the longest multiple p of the declared tier
   unit (``retention()["tier_unit"]``, a block by default) below the prompt's
   length such that every block of ``prompt[:p]`` is on the device or in the
   store whole, and the state after ``prompt[:p]`` is on the device or in the
-  store whole.  Also the least over the window.
+  store whole.  Also the least over the window (an entry whose offload was
+  still in flight at one of its schedules was held nowhere then).
 
 The expectation is the longer of the two, compared in tokens (a local hit
 that ends inside a block counts every token).  Two verdicts:
@@ -22,17 +26,33 @@ that ends inside a block counts every token).  Two verdicts:
   its state did not describe ``prompt[:start]``) is a correctness failure
   (``invariant``), whatever the logits say.
 
+The coverage counter ``remote_expected`` counts the admissions whose
+expectation only the host tier could meet (remote longer than local).
+
 The remote part is excused, not failed, where a correct implementation could
-not have reused it: a load of the request that came back failed, short or
-missing (a fault or a ``Deliver``/``StoreEvict`` decision fired on it; the
-entries such a load read are not counted for any later request either: a
-correct cache may stop trusting a host entry that once came back bad), or a
-device without the room to bring it in (fewer unreferenced blocks than the
-blocks to load plus one, or fewer than two unreferenced state slots).
+not have reused it, and only there:
+
+- a load of the request came back failed, short or missing (a fault or a
+  ``Deliver``/``StoreEvict`` decision fired on it): a correct cache may give
+  a request one round of loads (so that a failing tier cannot starve it) and
+  recompute.  The host copy such a load read is not counted for any later
+  request either (a correct cache may stop trusting a copy that once came
+  back bad), but a later offload under the same key is a new copy, and held;
+- the device had no room to bring it in at one of the request's schedules
+  (:meth:`ExpectedHit._room`): destinations for the blocks and the state the
+  device lacks, plus a block and a slot for the request itself, out of the
+  unreferenced blocks and slots (cached ones count: a correct cache evicts
+  them to make room) less the device's entries the load joins, plus what the
+  request itself holds in that schedule (its load destinations, or what its
+  first step allocated instead of loading).  Room taken by *other* requests
+  (their loads, their steps) is rightly no room.
+
 An implementation that declares no tier unit is held to the local part only.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
@@ -45,11 +65,11 @@ Prefix = tuple[int, ...]
 class StoreIndex:
     """The host store's whole entries, by the prefix their provenance names."""
 
-    def __init__(self, store, block_size: int, distrusted: set[str] = frozenset()):
+    def __init__(self, store, block_size: int, distrusted: Mapping[str, object] | None = None):
         self.kv: set[Prefix] = set()  # prefixes whose last full block an entry holds
         self.states: set[Prefix] = set()
         for key, entry in store.entries.items():
-            if key in distrusted:
+            if distrusted and distrusted.get(key) is entry:  # the very copy a broken load read
                 continue
             prov = entry.payload.prov
             if entry.payload.kind == "kv":
@@ -88,55 +108,98 @@ class ExpectedHit(Checker):
         self.remote_floor: dict[str, int] = {}  # waiting request -> least remote reuse seen
         self.excused: set[str] = set()  # requests whose remote reuse a correct cache could not have had
         self.seen_events = 0
-        self.distrusted: set[str] = set()  # host entries a load of which broke: a cache may stop trusting them
+        # host key -> the copy a load of which broke (a cache may stop trusting
+        # that copy; a later offload under the same key is a new copy)
+        self.distrusted: dict[str, object] = {}
 
     def attached(self, session) -> None:
         self.decl = declared_retention(session)
         self.unit = (self.decl or {}).get("tier_unit") or session.layout.block_size
 
     # -- the remote tier ------------------------------------------------------------------
-    def _remote(self, session, prompt: Prefix, view) -> int:
+    def _remote(self, session, rid: str, prompt: Prefix, view, plan) -> int:
         B, unit = session.layout.block_size, self.unit
         store = session.runner.transport.store
         if not store.entries:
             return 0
-        best = longest_held(prompt, INDEXES.get(view, B), StoreIndex(store, B, self.distrusted), B, unit)
-        if best and view is not None:
-            need_blocks = best // B + 1
-            free_blocks = sum(1 for r in view.kv_refcounts.values() if r == 0)
-            free_slots = sum(1 for r in view.state_refcounts.values() if r == 0)
-            if view.kv_refcounts and (free_blocks < need_blocks or free_slots < 2):
-                return -1  # no room to bring it in: excused
+        here = INDEXES.get(view, B)
+        best = longest_held(prompt, here, StoreIndex(store, B, self.distrusted), B, unit)
+        if best and view is not None and view.kv_refcounts and not self._room(session, rid, prompt[:best], view,
+                                                                              here, plan):
+            return -1  # no room to bring it in: excused
         return best
 
+    @staticmethod
+    def _room(session, rid: str, held: Prefix, view, here, plan) -> bool:
+        """Whether a correct cache had the room to bring ``held`` in when it
+        matched the request: a destination for each block and for the state
+        the device lacks, and a block and a slot more for the request itself
+        (its next block, or the copy of a local tail the comparison holds; its
+        running state).  Out of what it can take: every unreferenced block and
+        slot (cached ones are what a cache evicts to make room), less the
+        device's own entries of ``held`` (a load joins them: they are pinned,
+        not evicted), plus what the request itself took in this schedule or
+        holds for its loads (the view after schedule() shows them taken, by
+        the very request the room was for: the destinations of its loads, or
+        the running slot and the fresh blocks at ``held``'s positions of a
+        first step that reused less: what it allocated instead of loading)."""
+        B = session.layout.block_size
+        wanted = {held[: (k + 1) * B] for k in range(len(held) // B)}
+        joined_kv = {e.block for e in view.cached_kv if e.tokens in wanted}
+        joined_state = {e.slot for e in view.cached_states if e.tokens == held}
+        to_load_kv = sum(1 for k in range(len(held) // B) if held[: (k + 1) * B] not in here.kv_by_block.get(k, ()))
+        to_load_state = 0 if held in here.states else 1
+        loads = [t for t in (*plan.transfers, *session.pending_loads())
+                 if t.direction == "load" and t.request_id == rid]
+        own_kv = {t.device for t in loads if t.kind == "kv"}
+        own_state = {t.device for t in loads if t.kind == "state"}
+        for rs in plan.requests:
+            if rs.request_id == rid:  # its first step (the blocks it computes into are not cached yet)
+                own_kv.update(set(rs.block_table[: len(held) // B]) - {e.block for e in view.cached_kv})
+                own_state.update({rs.state_slot} - {e.slot for e in view.cached_states})
+        free_kv = sum(1 for b, r in view.kv_refcounts.items()
+                      if (r == 0 and b not in joined_kv) or (r > 0 and b in own_kv))
+        free_state = sum(1 for s, r in view.state_refcounts.items()
+                         if (r == 0 and s not in joined_state) or (r > 0 and s in own_state))
+        return free_kv >= to_load_kv + 1 and free_state >= to_load_state + 1
+
     def _note_broken_loads(self, session) -> None:
-        """Requests whose loads a fault or a decision broke (from the history)."""
+        """Requests whose loads a fault or a decision broke (from the history),
+        and the host copies those loads read."""
         events = session.history.events
+        store = session.runner.transport.store
         for ev in events[self.seen_events:]:
+            broken: tuple[str | None, str | None] | None = None
             if ev.get("event") == "fault" and ev.get("transfer", {}).get("direction") == "load":
-                what = ev.get("what", "")
-                if not what.startswith("decided: ok"):
-                    self.excused.add(ev["transfer"].get("request_id"))
-                    self.distrusted.add(ev["transfer"].get("key"))
+                if not ev.get("what", "").startswith("decided: ok"):
+                    broken = ev["transfer"].get("request_id"), ev["transfer"].get("key")
             elif ev.get("event") == "transfer-done" and not ev.get("ok"):
-                owner = self._owner(session, ev["id"])
-                if owner is not None:
-                    self.excused.add(owner[0])
-                    self.distrusted.add(owner[1])
+                broken = self._owner(session, ev["id"])
+            if broken is not None:
+                rid, key = broken
+                self.excused.add(rid)
+                entry = store.entries.get(key) if key is not None else None
+                if entry is not None:  # an entry the store dropped is held by no one
+                    self.distrusted[key] = entry
         self.seen_events = len(events)
 
     @staticmethod
     def _owner(session, transfer_id: int) -> tuple[str, str] | None:
-        """The request and the host key of a transfer, from the plan that issued it."""
+        """The request and the host key of a load, from the plan that issued
+        it (None for an offload: a failed offload broke no load)."""
         for ev in reversed(session.history.events):
             for t in ev.get("transfers", ()) if ev.get("event") == "plan" else ():
                 if t["id"] == transfer_id:
-                    return t["request_id"], t["key"]
+                    return (t["request_id"], t["key"]) if t.get("direction") == "load" else None
         return None
 
     # -- phases ---------------------------------------------------------------------------
     def scheduled(self, session, plan, view) -> None:
-        if self.decl is None or view is None or self.decl.get("tier_unit") is None:
+        if self.decl is None:
+            return
+        if not plan.requests:  # no step follows: the local window sees this schedule here
+            self.window.look(session, session.last_view, view)
+        if view is None or self.decl.get("tier_unit") is None:
             return
         # Loads broken since the last step the checkers saw (a step that only
         # completed transfers need not reach ``stepped``): not held for anyone.
@@ -144,7 +207,7 @@ class ExpectedHit(Checker):
         waiting = [rid for rid, t in session.tracks.items() if not t.done and t.computed is None]
         for rid in waiting:
             track = session.tracks[rid]
-            r = self._remote(session, track.tokens[: track.prompt_len], view)
+            r = self._remote(session, rid, track.tokens[: track.prompt_len], view, plan)
             self.remote_floor[rid] = min(self.remote_floor.get(rid, r), r)
 
     def computed(self, session, executed) -> None:

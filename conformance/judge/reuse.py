@@ -102,7 +102,9 @@ class LookupWindow:
     submission and its first computed step (the reference admits ahead of
     computing), and registrations made after that cannot be held against it.
     So the harness keeps, per waiting request, the *least* it could have been
-    served over every schedule() of that window."""
+    served over every schedule() of that window: :meth:`observe` after each
+    step, and :meth:`look` at a schedule() whose plan computed nothing (for a
+    checker that wants those too: the expected-hit oracle does)."""
 
     def __init__(self):
         self.floor: dict[str, tuple[int, int]] = {}  # request -> (KV servable, reusable with a state)
@@ -113,6 +115,31 @@ class LookupWindow:
     def observe(self, session, plan, view_before) -> dict[str, tuple[int, int]]:
         """Update the window after a step; return the floors of the requests
         whose first step this plan was."""
+        self._sync(session)
+        tracks = session.tracks
+        started = {rs.request_id for rs in plan.requests if tracks[rs.request_id].steps == 1}
+        for rid in [r for r in self.pending if r not in started and (tracks[r].steps or tracks[r].done)]:
+            self.pending.discard(rid)  # aborted before it started (a started one is handled below)
+            self.floor.pop(rid, None)
+        if not self.pending:
+            return {}
+        # what the cache held for a lookup: before schedule() and still after it
+        self._look(session, view_before, session.plan_view, self.pending)
+        out = {rid: self.floor.pop(rid) for rid in self.pending & started}
+        self.pending -= started
+        return out
+
+    def look(self, session, view_before, view_after) -> None:
+        """A schedule() that computed nothing (its plan carries transfers or
+        copies only, so no step follows it): the waiting requests could have
+        been matched there too.  Without it the window would miss the
+        schedules in which a request waited for its own loads, and its floor
+        would already count the blocks those loads brought in."""
+        self._sync(session)
+        if view_after is not None:  # None: a stall, nothing changed
+            self._look(session, view_before, view_after, [r for r in self.pending if not session.tracks[r].done])
+
+    def _sync(self, session) -> None:
         if session is not self._session:  # one metrics object follows every session of a check
             self._session, self.floor, self.pending, self.known = session, {}, set(), 0
         tracks = session.tracks
@@ -120,23 +147,13 @@ class LookupWindow:
             keys = reversed(tracks)
             self.pending.update(next(keys) for _ in range(len(tracks) - self.known))
             self.known = len(tracks)
-        started = {rs.request_id for rs in plan.requests if tracks[rs.request_id].steps == 1}
-        for rid in [r for r in self.pending if r not in started and (tracks[r].steps or tracks[r].done)]:
-            self.pending.discard(rid)  # aborted before it started (a started one is handled below)
-            self.floor.pop(rid, None)
-        if not self.pending:
-            return {}
-        B = session.layout.block_size
-        # what the cache held for a lookup: before schedule() and still after it
-        before, after = INDEXES.get(view_before, B), INDEXES.get(session.plan_view, B)
-        out = {}
-        for rid in self.pending:
+
+    def _look(self, session, view_before, view_after, rids) -> None:
+        B, tracks = session.layout.block_size, session.tracks
+        before, after = INDEXES.get(view_before, B), INDEXES.get(view_after, B)
+        for rid in rids:
             prompt = tracks[rid].tokens[: tracks[rid].prompt_len]
             kv = min(before.kv_servable(prompt), after.kv_servable(prompt))
             now = (kv, before.best_reuse(prompt, kv, also=after))
             old = self.floor.get(rid, now)
             self.floor[rid] = (min(old[0], now[0]), min(old[1], now[1]))
-            if rid in started:
-                out[rid] = self.floor.pop(rid)
-        self.pending -= started
-        return out

@@ -248,3 +248,21 @@ def test_a_fresh_copy_of_an_entry_whose_load_broke_is_held_again(tiny):
     with pytest.raises(ConformanceFailure) as exc:
         _run(_LoadsOnce, CONFIG, tiny, ops)
     assert exc.value.kind == "hit-rate" and "request d" in str(exc.value)
+
+
+def test_device_entries_registered_by_the_schedule_itself_are_not_held():
+    """The remote part counts a device entry only where the views before and
+    after the schedule() both list it: one that appears only after it was
+    registered by that plan (vLLM registers the blocks it allocates for a
+    step) and its content is not written yet."""
+    from conformance.contract import CachedKV, CachedState, CacheView
+    from conformance.judge.expected_hit import DeviceHeld, StoreIndex, longest_held
+    from conformance.judge.reuse import ViewIndex
+
+    prompt = tuple(range(1, 11))
+    kv = tuple(CachedKV(k, prompt[: (k + 1) * 4]) for k in range(2))
+    after = ViewIndex(CacheView(cached_kv=kv, cached_states=(CachedState(0, prompt[:8]),)), 4)
+    nothing = type("Store", (), {"entries": {}})()
+    assert longest_held(prompt, after, StoreIndex(nothing, 4), 4, 4) == 8  # the view after alone
+    assert longest_held(prompt, DeviceHeld(ViewIndex(None, 4), after), StoreIndex(nothing, 4), 4, 4) == 0
+    assert longest_held(prompt, DeviceHeld(after, after), StoreIndex(nothing, 4), 4, 4) == 8

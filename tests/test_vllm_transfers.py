@@ -19,6 +19,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.contract import ImplConfig  # noqa: E402
+from conformance.errors import ConformanceFailure  # noqa: E402
 from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Step, StoreEvict, Submit  # noqa: E402
 from conformance.judge import judged_session  # noqa: E402
 
@@ -135,3 +136,67 @@ def test_abort_while_the_load_is_held(model, oracle):
     assert not s.pending_loads() and not s.impl.scheduler.requests
     view = s.impl.view()
     assert all(n == 0 for n in view.kv_refcounts.values()), view.kv_refcounts
+
+
+def test_blocks_vllm_registers_when_it_schedules_them_are_not_held_for_that_request(model, oracle):
+    """vLLM registers a block in its prefix cache when it allocates it for a
+    step (the view after schedule() lists the request's own prompt, content
+    not written yet); the expected-hit oracle took that for a device hold
+    combined with the host tier and failed a fresh prompt's first step
+    ("reused 0 tokens, but a correct cache could reuse 28"), on every
+    tier-races variant.  What the device held is what the views before and
+    after the schedule both list."""
+    s = _session(model, oracle)
+    fresh = tuple((5 * k + 3) % 61 + 1 for k in range(31))
+    for op in [Submit("p", PROMPT, 2), Drain(1), Submit("r", fresh, 1), Drain(1024)]:
+        s.apply(op)
+    assert not s.active() and s.idle() and _first_start(s, "r") == 0
+    assert s.coverage.get("remote_expected", 0) == 0
+
+
+def _hit_rate_failure(s, ops) -> str:
+    with pytest.raises(ConformanceFailure) as exc:
+        for op in ops:
+            s.apply(op)
+    assert exc.value.kind == "hit-rate"
+    return str(exc.value)
+
+
+def test_vllm_cannot_join_a_device_kv_hit_with_a_host_state(model, oracle):
+    """vLLM finding (hit rate, logits right; tier-races[connector=async]'s
+    repro): the device caches r7's block [0, 4) (r5 recomputed it after its
+    load of the host copy failed) but no state at 4; the host tier holds the
+    state at 4 and no trusted copy of the block.  vLLM offers the connector
+    the local hit every group agrees on (0) and takes the external tokens as
+    one suffix loaded into new blocks (scheduler.py:1129-1142,
+    kv_cache_manager.py:455-473), so the device's block cannot be combined
+    with the host's state: r7 recomputes 4 tokens the two tiers hold."""
+    a = (18, 29, 27, 63, 44, 44, 23, 20, 3, 37, 26, 27, 28, 40)
+    junk = [(7, 21, 52, 40, 20, 52, 16, 49, 20, 57, 10, 11, 49, 26, 1, 29, 32, 36, 2, 2, 38, 47, 34, 41, 13, 24, 28,
+             24, 32, 15, 43),
+            (55, 3, 4, 46, 40, 32, 13, 39, 40, 48, 10, 0, 38, 0, 39, 50, 17, 1, 11, 53, 38, 26, 45, 10, 39, 48, 33,
+             55, 2, 57, 18),
+            (15, 45, 18, 42, 59, 4, 45, 6, 7, 18, 44, 16, 11, 54, 26, 57, 24, 15, 6, 56, 44, 31, 63, 39, 27, 54, 52,
+             3, 48, 38, 16)]
+    s = _session(model, oracle, "async")
+    ops = [HoldTransfers(), Submit("r1", a, 3), Drain(1)] + [Submit(f"r{i + 2}", j, 1) for i, j in enumerate(junk)]
+    ops += [Drain(1024), Submit("r5", a, 1), Step(1), Deliver(0, "fail"), Step(5), Step(1024),
+            Submit("r7", a[:5], 2), Step(16)]
+    message = _hit_rate_failure(s, ops)
+    assert "request r7 reused 0 tokens, but a correct cache could reuse 4 (device 0, host tier 4" in message
+    assert s.impl.connector.log[-1] == ("r7", 0, 0)
+
+
+def test_the_divergent_path_drops_a_host_state_below_its_attention_hit(model, oracle):
+    """vLLM finding (hit rate; tier-races[connector=divergent]'s repro): r8's
+    attention hit (16) runs deeper than its Mamba hit (12); the divergent
+    path offers the connector 16, the store holds the state at 16 but nothing
+    past it below r8's 18 tokens, so the connector claims 0 and vLLM falls
+    back to the common boundary (scheduler.py:1199-1209) without asking from
+    there: r8 reuses 12 while the two tiers hold 16."""
+    a = (25, 26, 25, 5, 24, 57, 51, 45, 36, 33, 57, 53, 36, 13, 1, 62)
+    s = _session(model, oracle, "divergent")
+    message = _hit_rate_failure(s, [Submit("r1", a, 1), Submit("r2", a[:5], 1), Drain(1024),
+                                    Submit("r8", a + (59, 14), 3), Drain(1)])
+    assert "request r8 reused 12 tokens, but a correct cache could reuse 16 (device 12, host tier 16" in message
+    assert s.impl.connector.log[-1] == ("r8", 16, 0)

@@ -14,8 +14,13 @@ implementation could reuse, computed from what the harness knows is held.
   unit (``retention()["tier_unit"]``, a block by default) below the prompt's
   length such that every block of ``prompt[:p]`` is on the device or in the
   store whole, and the state after ``prompt[:p]`` is on the device or in the
-  store whole.  Also the least over the window (an entry whose offload was
-  still in flight at one of its schedules was held nowhere then).
+  store whole.  "On the device" is what the views before and after the
+  ``schedule()`` both list (:class:`DeviceHeld`): a cache that registers the
+  blocks a plan is about to compute when it schedules them (vLLM caches them
+  at allocation) lists, after that schedule, content not written yet, for
+  the very request being judged.  Also the least over the window (an entry
+  whose offload was still in flight at one of its schedules was held nowhere
+  then).
 
 The expectation is the longer of the two, compared in tokens (a local hit
 that ends inside a block counts every token).  Two verdicts:
@@ -82,6 +87,19 @@ class StoreIndex:
                 self.states.add(prov["ssm"])
 
 
+class DeviceHeld:
+    """What the device held across a ``schedule()``: the entries of both the
+    view before it and the view after it (an entry only after it was
+    registered by that very plan, for content its step has not written yet;
+    one only before it was evicted by it).  Answers what longest_held asks of
+    a view's index."""
+
+    def __init__(self, before, after):
+        self.kv_by_block = {k: prefixes & before.kv_by_block.get(k, set())
+                            for k, prefixes in after.kv_by_block.items()}
+        self.states = after.states & before.states
+
+
 def longest_held(prompt: Prefix, here, there: StoreIndex, B: int, unit: int) -> int:
     """The longest multiple p of ``unit`` below the prompt's length such that
     every block of ``prompt[:p]`` is whole on the device (``here``, an index of
@@ -122,15 +140,16 @@ class ExpectedHit(Checker):
         store = session.runner.transport.store
         if not store.entries:
             return 0
-        here = INDEXES.get(view, B)
+        before = session.last_view
+        here = DeviceHeld(INDEXES.get(before, B), INDEXES.get(view, B))
         best = longest_held(prompt, here, StoreIndex(store, B, self.distrusted), B, unit)
         if best and view is not None and view.kv_refcounts and not self._room(session, rid, prompt[:best], view,
-                                                                              here, plan):
+                                                                              before, here, plan):
             return -1  # no room to bring it in: excused
         return best
 
     @staticmethod
-    def _room(session, rid: str, held: Prefix, view, here, plan) -> bool:
+    def _room(session, rid: str, held: Prefix, view, before, here, plan) -> bool:
         """Whether a correct cache had the room to bring ``held`` in when it
         matched the request: a destination for each block and for the state
         the device lacks, and a block and a slot more for the request itself
@@ -142,11 +161,17 @@ class ExpectedHit(Checker):
         holds for its loads (the view after schedule() shows them taken, by
         the very request the room was for: the destinations of its loads, or
         the running slot and the fresh blocks at ``held``'s positions of a
-        first step that reused less: what it allocated instead of loading)."""
+        first step that reused less: what it allocated instead of loading,
+        even where the cache registered them at that schedule)."""
         B = session.layout.block_size
         wanted = {held[: (k + 1) * B] for k in range(len(held) // B)}
-        joined_kv = {e.block for e in view.cached_kv if e.tokens in wanted}
-        joined_state = {e.slot for e in view.cached_states if e.tokens == held}
+        # entries the view before the schedule listed too (see DeviceHeld)
+        kept_kv = {(e.block, e.tokens) for e in before.cached_kv} if before is not None else set()
+        kept_state = {(e.slot, e.tokens) for e in before.cached_states} if before is not None else set()
+        cached_kv = {e.block for e in view.cached_kv if (e.block, e.tokens) in kept_kv}
+        cached_state = {e.slot for e in view.cached_states if (e.slot, e.tokens) in kept_state}
+        joined_kv = {e.block for e in view.cached_kv if e.tokens in wanted and e.block in cached_kv}
+        joined_state = {e.slot for e in view.cached_states if e.tokens == held and e.slot in cached_state}
         to_load_kv = sum(1 for k in range(len(held) // B) if held[: (k + 1) * B] not in here.kv_by_block.get(k, ()))
         to_load_state = 0 if held in here.states else 1
         loads = [t for t in (*plan.transfers, *session.pending_loads())
@@ -155,8 +180,8 @@ class ExpectedHit(Checker):
         own_state = {t.device for t in loads if t.kind == "state"}
         for rs in plan.requests:
             if rs.request_id == rid:  # its first step (the blocks it computes into are not cached yet)
-                own_kv.update(set(rs.block_table[: len(held) // B]) - {e.block for e in view.cached_kv})
-                own_state.update({rs.state_slot} - {e.slot for e in view.cached_states})
+                own_kv.update(set(rs.block_table[: len(held) // B]) - cached_kv)
+                own_state.update({rs.state_slot} - cached_state)
         free_kv = sum(1 for b, r in view.kv_refcounts.items()
                       if (r == 0 and b not in joined_kv) or (r > 0 and b in own_kv))
         free_state = sum(1 for s, r in view.state_refcounts.items()

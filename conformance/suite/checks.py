@@ -77,11 +77,14 @@ CHECKS: tuple[CheckSpec, ...] = (
     # The host tier's wire under Hypothesis's control: completions held,
     # delayed, failed, delivered short or out of order, the host entry evicted
     # after the lookup, the prefix claimed again or the request aborted while
-    # its load is in flight.
+    # its load is in flight.  remote_expected: admissions whose expectation
+    # only the host tier could meet (the expected-hit oracle judged the tier's
+    # part at least once; an implementation that declares no tier unit is
+    # never judged there, and fails this coverage).
     CheckSpec("tier-races", "tier",
               "loads completing late, out of order, failed or short, racing local and remote eviction and aborts",
               frozenset({"transfers", "aba", "diverge", "step"}),
-              ("tier_loads", "loads_held", "store_evicted_during_load"),
+              ("tier_loads", "loads_held", "store_evicted_during_load", "remote_expected"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True,
               observe=("expected-hit",)),
 )

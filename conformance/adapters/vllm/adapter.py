@@ -198,9 +198,24 @@ class VllmCache:
         o = self.opts
         if o.shared_prefix_checkpoint:
             return None
-        return {"interval": o.retention_interval, "admission": "always", "prompt_ends": "tail",
+        decl = {"interval": o.retention_interval, "admission": "always", "prompt_ends": "tail",
                 "sequence_ends": False, "hash_unit": o.prefix_match_unit, "junctions": o.block_size,
                 "interval_at": "chunk-ends"}
+        if self.connector is not None:
+            # The host tier (the store connector) brings back whole blocks
+            # and the state at a block boundary: vLLM asks the connector from
+            # the block-aligned local hit (vllm 0.33.0 v1/core/sched/
+            # scheduler.py:1129-1142) and takes any token count it claims
+            # (:1167-1187), and the connector claims block-aligned p (.connector
+            # get_num_new_matched_tokens) because the store holds states only
+            # at block boundaries (.connector save_step).  What vLLM cannot
+            # take is reported as hit-rate, not declared away (docs/
+            # vllm-adapter.md, "Found on the way"): a host state below the
+            # divergent path's attention hit (:1199-1209), and device KV past
+            # the offered hit joined with a host state (the external tokens
+            # are one suffix loaded into new blocks, kv_cache_manager.py:455-473).
+            decl["tier_unit"] = o.block_size
+        return decl
 
     def view(self):
         running = tuple(r.request_id for r in self.scheduler.running)

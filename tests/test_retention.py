@@ -188,3 +188,43 @@ def test_checks_through_the_machine(model, oracle, check, mutant, kind):
         assert res.metrics["requests"] > 0 and 0 <= res.metrics["state_hit_rate"] <= res.metrics["kv_hit_rate"] <= 1
     else:
         assert (res.status, res.family, res.failure.kind) == ("failed", spec.family, kind)
+
+
+def test_room_for_checkpoints_is_the_state_memory_the_view_shows():
+    """The room a step had for checkpoints comes from the slots the view
+    states: on one pool for KV and states (vLLM's view leaves the pages the KV
+    group owns out of ``state_refcounts``) the pages running requests hold as
+    KV are no room, so a cache that held as many checkpoints as its free state
+    memory allowed passes; a view that states every slot (the reference) gets
+    the old figure, and one that states none the layout's."""
+    from conformance.contract import CachedState, CacheView
+    from conformance.judge.retention import state_room
+
+    class Layout:
+        num_state_slots = 8  # vLLM: the whole pool (block 0 is its null block)
+
+    class Session:
+        layout = Layout()
+
+        def __init__(self, view):
+            self.last_view = view
+            self.coverage: dict = {}
+
+    a, b, c = (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (1,) * 12
+    wanted = {a: ("r", 4, 1), b: ("r", 8, 1), c: ("r", 12, 1)}
+    # blocks 1-4: a running request's KV (not stated for states); 5: its state;
+    # 6: the cached state c; 7: free; 0 (null) stated in neither group
+    shared = CacheView(kv_refcounts={1: 1, 2: 1, 3: 1, 4: 1, 7: 0}, state_refcounts={5: 1, 6: 0, 7: 0},
+                       cached_states=(CachedState(6, c),))
+    assert state_room(shared, 8) == 2  # the old figure, 8 slots minus the 1 running, said 7
+    check = RetentionChecker("hit-rate")
+    check.decl = {"interval": 4, "admission": "always"}
+    check._check_capacity(Session(shared), wanted, type("Now", (), {"states": {b, c}})())  # 2 held: all it could
+    with pytest.raises(ConformanceFailure) as exc:  # 1 held with room for 2: still a hit-rate failure
+        check._check_capacity(Session(shared), wanted, type("Now", (), {"states": {c}})())
+    assert exc.value.kind == "hit-rate" and "with 2 state slots not held by running requests" in str(exc.value)
+    # every slot stated (its own slot pool): slots minus those running requests hold, as before
+    separate = CacheView(state_refcounts={0: 1, 1: 1, 2: 2, 3: 0, 4: 0, 5: 0, 6: 0, 7: 0},
+                         cached_states=(CachedState(2, c),))
+    assert state_room(separate, 8) == 8 - 2
+    assert state_room(CacheView(), 8) == 8 and state_room(None, 8) == 8  # nothing stated: the layout

@@ -39,8 +39,9 @@ Two families, reported apart because they are different kinds of bug:
 - ``hit-rate`` (a performance bug, logits stay right): a checkpoint the policy
   admits (always, or from the second sighting on) that is not cached right
   after the step that reached it, as far as the cache had room (a step that
-  reaches more checkpoints than the state slots running requests leave free
-  is failed only for holding fewer than that), or a new request that reused less than the
+  reaches more checkpoints than the state slots running requests leave free,
+  as the view states them (:func:`state_room`), is failed only for holding
+  fewer than that), or a new request that reused less than the
   longest prefix whose KV and state the cache held when it was scheduled.
 """
 
@@ -84,6 +85,29 @@ def declared_retention(session) -> dict | None:
     return {"interval": interval, "admission": admission, "prompt_ends": prompt_ends,
             "sequence_ends": bool(decl.get("sequence_ends", False)), "hash_unit": units["hash_unit"] or 1,
             "junctions": units["junctions"], "interval_at": interval_at, "tier_unit": units["tier_unit"]}
+
+
+def state_room(view: CacheView | None, slots: int) -> int:
+    """The state slots a cache had for new checkpoints after a step: those
+    the view states (``state_refcounts``) that no running request holds,
+    free or holding a cached state it may replace.  Where one pool serves KV
+    and states (vLLM), the view states a block for the state group only when
+    the KV group does not own it (the vLLM adapter's ``owners``), so pages
+    that running requests or cached entries hold as KV are no room for a
+    state (a cache is not failed for keeping its cached KV rather than a
+    checkpoint: a declared policy says nothing of which group an eviction
+    takes); counting every slot of the layout (``slots``, there the whole
+    pool) but those running requests hold as states overstated the room and
+    could fail a correct cache.  Where every slot is stated (the reference: its own slot
+    pool) this is exactly ``slots`` minus those held; it never exceeds that
+    figure, so it never fails a cache the old one passed.  A view that states
+    no state refcounts tells nothing: ``slots``."""
+    if view is None or not view.state_refcounts:
+        return slots
+    cached = {e.slot for e in view.cached_states}
+    running = sum(1 for s, r in view.state_refcounts.items() if r > 0 and s not in cached)
+    unheld = sum(1 for s, r in view.state_refcounts.items() if 0 <= s < slots and (r <= 0 or s in cached))
+    return min(slots - running, unheld)
 
 
 class RetentionChecker(Checker):
@@ -201,14 +225,7 @@ class RetentionChecker(Checker):
         missing = [(p, info) for p, info in wanted.items() if p not in now.states]
         if not missing:
             return
-        view = session.last_view
-        slots = session.layout.num_state_slots
-        if view is not None and view.state_refcounts:
-            cached = {e.slot for e in view.cached_states}
-            running = sum(1 for s, r in view.state_refcounts.items() if r > 0 and s not in cached)
-            room = slots - running
-        else:
-            room = slots
+        room = state_room(session.last_view, session.layout.num_state_slots)
         held = len(wanted) - len(missing)
         if held >= min(len(wanted), room):
             session.coverage["checkpoints_beyond_capacity"] = (

@@ -380,12 +380,13 @@ class HardHistories(_Base):
         turns over a pool only where the pool is small next to it (the
         reference's 10 state slots, a snapshot per block); where one pool of
         blocks holds KV and the few states a cache keeps, and never-used
-        blocks go first (vLLM: 27 usable blocks, ``BlockPool.free_blocks``
-        queues unhashed blocks first), nothing is evicted before about a
+        blocks go first (vLLM: ``BlockPool.free_blocks`` queues unhashed
+        blocks ahead of cached ones), nothing is evicted before about a
         pool's worth of distinct blocks was computed, which one example's
-        prompts of at most ``max_seq_blocks`` rarely reach (2 evictions
-        while running in a quick run, against the reference's 141).  Once
-        the pool is warm, the first prompt evicts and the rule ends there."""
+        prompts of at most ``max_seq_blocks`` rarely reach (vLLM, 28 blocks:
+        2 evictions while running in pressure-while-running's quick run,
+        against the reference's 141).  Once the pool is warm, the first
+        prompt evicts and the rule ends there."""
         prompt = prompt[: max(2 * self.B, len(prompt) * cut // 4)]
         evicted = self.session.coverage.get("evictions", 0)
         rounds = min(self.vocab, self.session.layout.num_kv_blocks // -(-len(prompt) // self.B) + 1)

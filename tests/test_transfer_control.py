@@ -266,3 +266,25 @@ def test_device_entries_registered_by_the_schedule_itself_are_not_held():
     assert longest_held(prompt, after, StoreIndex(nothing, 4), 4, 4) == 8  # the view after alone
     assert longest_held(prompt, DeviceHeld(ViewIndex(None, 4), after), StoreIndex(nothing, 4), 4, 4) == 0
     assert longest_held(prompt, DeviceHeld(after, after), StoreIndex(nothing, 4), 4, 4) == 8
+
+
+class _NoTierUnit(ReferenceCache):
+    """The reference with its second tier, declaring no tier unit."""
+
+    def retention(self):
+        decl = super().retention()
+        return None if decl is None else {k: v for k, v in decl.items() if k != "tier_unit"}
+
+
+def test_tier_races_says_why_when_the_oracle_cannot_judge_the_tier():
+    """Without a declared tier unit the expected-hit oracle never judges the
+    host tier (remote_expected stays at 0): tier-races fails its coverage, and
+    the message names the missing declaration rather than an unlucky draw."""
+    from conformance.suite.options import RunOptions
+    from conformance.suite.single import run_single_check
+
+    res = run_single_check(_NoTierUnit, "tier-races", RunOptions(examples=6, steps=8, shrink="none",
+                                                                  write_reports=False))
+    assert res.status == "failed" and res.failure.kind == "coverage", res.failure
+    assert "remote_expected" in res.failure.message and "declares no tier unit" in res.failure.message
+    assert any("declares no tier unit" in n for n in res.notes)

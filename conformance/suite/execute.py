@@ -108,6 +108,14 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         note = retention_note(impl_config.options, declared)
         if note:
             notes.append(note)
+    # The expected-hit oracle judges a second tier only in the unit the
+    # implementation declares; without one, its counter of tier-decided
+    # admissions stays at 0 and the coverage failure must say why.
+    untiered = spec.tier and "expected-hit" in spec.observe and isinstance(declared, dict) \
+        and not declared.get("tier_unit")
+    why = ("the implementation declares no tier unit (retention()['tier_unit']): the expected-hit oracle "
+           "cannot judge what it reuses from its second tier",) if untiered else ()
+    notes.extend(why)
     if spec.observe and declared is None:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
@@ -135,7 +143,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
             and failure.steps:
         minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
     if status == "passed":
-        failure = coverage_failure(spec, recorder)
+        failure = coverage_failure(spec, recorder, why)
         status = "failed" if failure is not None else status
     if failure is not None:
         failure.impl_config = asdict(impl_config)

@@ -34,10 +34,12 @@ def run_machine(test: Callable[[], None], recorder: Recorder) -> tuple[str, Fail
     return "passed", None
 
 
-def coverage_failure(spec: CheckSpec, recorder: Recorder) -> Failure | None:
-    """A check whose situation never occurred proves nothing: it fails."""
+def coverage_failure(spec: CheckSpec, recorder: Recorder, why: tuple[str, ...] = ()) -> Failure | None:
+    """A check whose situation never occurred proves nothing: it fails.
+    ``why``: what the run already knows of the cause (said after the counters)."""
     missing = [c for c in spec.required if recorder.coverage.get(c, 0) == 0]
     if not missing:
         return None
+    because = "".join(f"; {w}" for w in why)
     return Failure(kind="coverage", message=f"the {spec.family} situation never occurred: {', '.join(missing)} "
-                                            f"stayed at 0 over {recorder.examples} examples")
+                                            f"stayed at 0 over {recorder.examples} examples{because}")

@@ -180,3 +180,15 @@ def test_pd_faults_are_planted_in_the_pair_only():
     opts = {"pd_fault": "pd-last-state-sent"}
     assert PdEngine("m", "kv_consumer", opts)._worker_options()["fault"] == "pd-last-state-sent"
     assert "fault" not in VllmEngine("m", True, opts)._worker_options()  # the single engines never see it
+
+
+def test_side_channel_ports_stay_out_of_the_ephemeral_range():
+    """An engine binds its NIXL side channel tens of seconds after the port is
+    chosen; a port from the ephemeral range can be taken meanwhile by any
+    socket the engines open (seen: 'Address already in use', a 300 s hang)."""
+    from conformance.engine.pd import _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(16)]
+    assert all(10000 <= p and p + 4 <= _ephemeral_low() for p in ports)
+    spans = [set(range(p, p + 4)) for p in ports]
+    assert all(not (a & b) for i, a in enumerate(spans) for b in spans[i + 1:])  # never handed out twice

@@ -20,6 +20,7 @@ not an answer to the prompt.
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,10 +35,44 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def free_port() -> int:
+_HANDED_OUT: set[int] = set()  # side-channel ports this process gave an engine
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default lower end
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 4) -> int:
+    """A port for an engine's NIXL side channel, which the engine binds tens
+    of seconds later (vLLM adds its data-parallel index: ``span`` ports from
+    it on are free).  Below the kernel's ephemeral range on purpose: a port
+    that bind(0) returned is free now, but until the engine binds it any
+    ephemeral allocation (the engines' own ZMQ and gloo sockets among them)
+    can take it; vLLM's handshake listener then dies with "Address already
+    in use" while the engine waits for it (seen in a CI rehearsal: a 300 s
+    startup timeout).  Ports are no part of a run's seed: drawn at random."""
+    rng = random.Random()
+    high = _ephemeral_low() - span
+    for _ in range(256):
+        port = rng.randrange(10000, high)
+        ports = range(port, port + span)
+        if not _HANDED_OUT.intersection(ports) and all(_bindable(p) for p in ports):
+            _HANDED_OUT.update(ports)
+            return port
+    raise OSError(f"no {span} free consecutive ports below {high + span} for a NIXL side channel")
 
 
 @dataclass(frozen=True)

@@ -186,9 +186,9 @@ def test_side_channel_ports_stay_out_of_the_ephemeral_range():
     """An engine binds its NIXL side channel tens of seconds after the port is
     chosen; a port from the ephemeral range can be taken meanwhile by any
     socket the engines open (seen: 'Address already in use', a 300 s hang)."""
-    from conformance.engine.pd import _ephemeral_low, free_port
+    from conformance.engine.pd import ephemeral_low, free_port
 
     ports = [free_port() for _ in range(16)]
-    assert all(10000 <= p and p + 4 <= _ephemeral_low() for p in ports)
+    assert all(10000 <= p and p + 4 <= ephemeral_low() for p in ports)
     spans = [set(range(p, p + 4)) for p in ports]
     assert all(not (a & b) for i, a in enumerate(spans) for b in spans[i + 1:])  # never handed out twice

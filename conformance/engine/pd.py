@@ -38,7 +38,7 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_
 _HANDED_OUT: set[int] = set()  # side-channel ports this process gave an engine
 
 
-def _ephemeral_low() -> int:
+def ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             return int(f.read().split()[0])
@@ -65,7 +65,7 @@ def free_port(span: int = 4) -> int:
     in use" while the engine waits for it (seen in a CI rehearsal: a 300 s
     startup timeout).  Ports are no part of a run's seed: drawn at random."""
     rng = random.Random()
-    high = _ephemeral_low() - span
+    high = ephemeral_low() - span
     for _ in range(256):
         port = rng.randrange(10000, high)
         ports = range(port, port + span)

@@ -131,7 +131,7 @@ def test_run_with_a_coverage_expectation_exits_1_on_a_logits_failure(tmp_path, c
 
 def test_expectations_of_skipped_checks():
     """A listed check that was skipped is not as expected; an all-skipped run never is."""
-    from conformance.results.expectations import judge_expectations
+    from conformance.results.triage import judge_expectations
 
     doc = {"engine": "e", "version": "1", "checks": {"a": {"status": "passed"}}}
     run_ = {"checks": [{"id": "a", "status": "skipped", "reason": "no tier"},

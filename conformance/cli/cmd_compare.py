@@ -30,6 +30,9 @@ def main(args) -> int:
     try:
         new = load_results(args.new)
         if args.old.suffix == ".toml":
+            from conformance.cli.common import load_expectations_for_cli
+
+            load_expectations_for_cli(args.old)  # every entry validated: a typo check id or a bad defect is exit 2
             text, ok = format_expectations(new, args.old)
             print(text)
             rows = [new]

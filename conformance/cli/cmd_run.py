@@ -66,30 +66,23 @@ def main(args) -> int:
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
                       block_size=args.block_size, num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots,
                       progress=Progress(), shard=parse_shard(args.shard),
-                      shrink=args.shrink, workers=args.workers, matrix=not args.no_matrix)
+                      shrink=args.shrink, workers=args.workers, matrix=not args.no_matrix,
+                      expectations=args.expectations)
     if args.workers < 1:
         raise UsageError(f"--workers {args.workers}: must be at least 1")
     if args.expectations:
-        from conformance.errors import CompareInputError
-        from conformance.results.compare import load_expectations
+        from conformance.cli.common import load_expectations_for_cli
 
-        try:
-            load_expectations(args.expectations)  # a typo should fail now, not after the run
-        except CompareInputError as exc:
-            raise UsageError(str(exc)) from None
+        load_expectations_for_cli(args.expectations)  # a typo should fail now, not after the run (exit 2)
     signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     result = run(opts)
     for line in summary_lines(result):
         print(line, file=sys.stderr)
-    expectations = args.expectations
-    if expectations is None and result.implementation != "reference" and not args.mutant:
-        from conformance.results.compare import find_expectations
+    if result.expectations:
+        from conformance.results.triage import format_verdict, judge_file
 
-        expectations = find_expectations(args.impl, result.implementation_version)
-    if expectations:
-        from conformance.results.compare import format_expectations
-
-        text, as_expected = format_expectations(result.to_dict(), expectations)
-        print(text, file=sys.stderr)
-        return 0 if as_expected and result.checked and not result.interrupted else 1
+        doc = result.to_dict()
+        verdict, exp = judge_file(doc, result.expectations["path"])
+        print(format_verdict(verdict, exp, result.expectations["path"], doc), file=sys.stderr)
+        return 0 if verdict.ok and result.checked and not result.interrupted else 1
     return 0 if result.ok else 1

@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, note, settings
 from hypothesis import strategies as st
@@ -77,6 +78,33 @@ class Recorder:
     started: float = field(default_factory=time.perf_counter)
     # When the first failing example appeared (before shrinking): detection cost.
     first_failure: tuple[int, float] | None = None  # (examples run, seconds)
+    # Known defects met (``known`` of the machine): defect id -> what the first
+    # example that met it recorded, and how many examples met it.
+    known: dict[str, KnownMet] = field(default_factory=dict)
+
+    def met(self, defect, exc: Exception, ops: list[dict], events: list[dict]) -> None:
+        seen = self.known.get(defect.id)
+        if seen is None:
+            self.known[defect.id] = KnownMet(defect, getattr(exc, "kind", "raised"), str(exc), ops, events,
+                                             self.examples,
+                                             round(time.perf_counter() - self.started, 3))
+        else:
+            seen.count += 1
+
+
+@dataclass
+class KnownMet:
+    """A known defect met while exploring: the first example that met it (its
+    operations, to be minimized into the check's repro of it) and a count."""
+
+    defect: Any  # conformance.results.defects.Defect
+    kind: str
+    message: str
+    ops: list[dict]
+    events: list[dict]
+    example: int  # examples run when it was first met
+    seconds: float
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -152,7 +180,8 @@ class _Base(RuleBasedStateMachine):
     def __init__(self, impl_factory, spec: CheckSpec | None = None, *, model: TinyHybrid | None = None,
                  oracle: Oracle | None = None, impl_config: ImplConfig | None = None,
                  timeout: float | None = 30.0, recorder: Recorder | None = None,
-                 attach: Callable[[Session], None] | None = None, probe: bool = True):
+                 attach: Callable[[Session], None] | None = None, probe: bool = True,
+                 known: Callable[[Exception], Any] | None = None):
         super().__init__()
         self.impl_factory = impl_factory
         self.spec = spec or mixed()
@@ -165,6 +194,12 @@ class _Base(RuleBasedStateMachine):
         self.attach = attach
         # The pool probe after each example (generate/probe.py): black-box leak detection.
         self.probe = probe
+        # Classifies a failure as a known defect of the engine version (or None:
+        # NEW).  A known one ends the example quietly (``stopped``): recorded,
+        # not raised, so Hypothesis counts the example valid, never shrinks
+        # towards it, and goes on exploring with the rest of the budget.
+        self.known = known
+        self.stopped = False
         self.failed = False
         self.B = self.impl_config.block_size
         self.max_len = self.spec.max_seq_blocks * self.B
@@ -188,12 +223,19 @@ class _Base(RuleBasedStateMachine):
             self.apply(HoldTransfers())
 
     def apply(self, op: Op) -> None:
+        if self.stopped:
+            # A known defect ended this example: the session may be corrupt (a
+            # step raised half-way), so the remaining rules touch nothing.  They
+            # still draw, so the example's choices stay what they were.
+            return
         note(repr(op))
         self.ops.append(op)
         self.recorder.steps += 1
         try:
             self.session.apply(op)
         except (ConformanceFailure, ImplementationError) as exc:
+            if self._absorb_known(exc):
+                return
             self.failed = True
             rec = self.recorder
             rec.failure = (exc, [op_to_dict(o) for o in self.ops], self.session.history.tail(64))
@@ -202,9 +244,19 @@ class _Base(RuleBasedStateMachine):
             raise
         self.finished = [rid for rid, t in self.session.tracks.items() if t.done and t.generated > 0]
 
+    def _absorb_known(self, exc: Exception) -> bool:
+        defect = self.known(exc) if self.known is not None else None
+        if defect is None:
+            return False
+        self.stopped = True
+        self.recorder.met(defect, exc, [op_to_dict(o) for o in self.ops], self.session.history.tail(64))
+        note(f"known defect {defect.id} met; the example ends here: {exc}")
+        return True
+
     def teardown(self):
         try:
-            if self.session is not None and self.probe and not self.failed and self._probe_due():
+            if self.session is not None and self.probe and not self.failed and not self.stopped \
+                    and self._probe_due():
                 # At idle the cache must still serve what a fresh instance serves:
                 # a leaked block or slot fails here, whatever its view says.
                 probe = pool_probe(self.impl_factory, self.impl_config, self.model, self.oracle, self.timeout)
@@ -248,7 +300,7 @@ class _Base(RuleBasedStateMachine):
     def harness_bookkeeping_is_sane(self):
         """The harness's own record never runs ahead of itself (a harness bug
         here would make every other verdict meaningless)."""
-        if self.session is None:
+        if self.session is None or self.stopped:
             return
         for rid, t in self.session.tracks.items():
             assert t.generated <= t.max_new, f"{rid}: generated {t.generated} of {t.max_new}"

@@ -22,6 +22,9 @@ class Failure:
     examples_to_failure: int | None = None  # examples run until the first failing one (before shrinking)
     seconds_to_failure: float | None = None
     impl_config: dict | None = None  # the configuration it failed under (a repro replays exactly that)
+    # The known defect of the engine version this failure is (conformance.results.defects), decided
+    # during the run; None: not a known defect (NEW, or a per-check expectation's, see triage).
+    defect: str | None = None
 
 
 @dataclass
@@ -44,6 +47,12 @@ class CheckResult:
     # checker that had nothing to check (no refcounts stated), a retention
     # policy the implementation declared instead of the one the check configured.
     notes: list[str] = field(default_factory=list)
+    # What a known defect's conditions are judged on (the options the check ran
+    # with, its sizes, what the implementation derives from them).
+    facts: dict = field(default_factory=dict)
+    # Known defects this check met while exploring (once per defect: count, first
+    # example, minimized steps, repro); exploration went on past each of them.
+    known_defects: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +75,10 @@ class RunResult:
     faults: dict[str, dict] = field(default_factory=dict)  # fault name -> {"fired": n, ...}
     checks: list[CheckResult] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    # The expectations file the run is triaged against ({"path", "engine", "version", "defects"}), and
+    # what each open defect's pinned repro did when replayed on this implementation (reproduces/fixed/...).
+    expectations: dict | None = None
+    defect_replays: list[dict] = field(default_factory=list)
 
     @property
     def coverage(self) -> dict[str, int]:

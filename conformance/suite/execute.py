@@ -21,6 +21,7 @@ from conformance.model import TinyHybrid
 from conformance.results import report
 from conformance.results.records import CheckResult, Failure, RunResult
 from conformance.suite.config_matrix import parse_variant_id
+from conformance.suite.known import classifier_for, known_entry, minimize_known
 from conformance.suite.options import RunOptions
 from conformance.suite.verdict import coverage_failure, run_machine
 
@@ -89,7 +90,9 @@ def retention_note(configured: dict, declared) -> str | None:
 
 
 def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts: RunOptions, profile,
-              index: int, env=None, notify=lambda *a, **k: None) -> CheckResult:
+              index: int, env=None, notify=lambda *a, **k: None, expectations=None) -> CheckResult:
+    """``expectations``: the engine version's (conformance.suite.known); its
+    known defects are recorded and explored past, never raised."""
     if spec.disagg:
         from conformance.suite.disagg import run_disagg_check
 
@@ -130,9 +133,11 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         if env is not None:
             env.attach(session)
 
+    known, facts = classifier_for(expectations, factory, impl_config)
+
     def machine():
         return HybridCacheMachine(factory, spec, model=model, oracle=oracle, impl_config=impl_config,
-                                  timeout=opts.timeout, recorder=recorder, attach=attach)
+                                  timeout=opts.timeout, recorder=recorder, attach=attach, known=known)
 
     test = get_state_machine_test(machine, settings=hypothesis_settings(
         examples, steps, shrink=opts.shrink in ("hypothesis", "hypothesis+ops")))
@@ -141,21 +146,45 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     status, failure = run_machine(test, recorder)
     if failure is not None and failure.kind != "harness" and opts.shrink in ("ops", "hypothesis+ops") \
             and failure.steps:
-        minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
+        minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env, known)
+    met = known_defects_met(recorder, factory, spec, impl_config, model, oracle, opts, env, known)
     if status == "passed":
         failure = coverage_failure(spec, recorder, why)
         status = "failed" if failure is not None else status
+    if status == "passed" and met:
+        # Only known defects: the check fails with the first, which triage names.
+        first = met[0]
+        failure = Failure(kind=first["kind"], message=first["message"], steps=first["steps"], events=first["events"],
+                          examples_to_failure=first["first_example"], seconds_to_failure=first["seconds_to_first"],
+                          defect=first["defect"])
+        status = "failed"
     if failure is not None:
         failure.impl_config = asdict(impl_config)
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
                        options=parse_variant_id(spec.id)[1], examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
-                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
+                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes),
+                       facts=facts, known_defects=met)
+
+
+def known_defects_met(recorder: Recorder, factory, spec: CheckSpec, impl_config, model, oracle, opts: RunOptions,
+                      env=None, known=None) -> list[dict]:
+    """The known defects the check's exploration met, each minimized (by
+    replay, to that same defect) when failures are minimized."""
+    out = []
+    for met in recorder.known.values():
+        steps, message, events = met.ops, met.message, met.events
+        if opts.shrink in ("ops", "hypothesis+ops") and env is None and known is not None:
+            steps, message, events = minimize_known(met, factory, impl_config, model, oracle, spec.observe, known,
+                                                    opts.timeout)
+        out.append(known_entry(met, steps, message, events))
+    return out
 
 
 def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, model, oracle, opts: RunOptions,
-                     env=None) -> None:
-    """Shorten ``failure.steps`` by replaying subsets (same failure kind), in place."""
+                     env=None, known=None) -> None:
+    """Shorten ``failure.steps`` by replaying subsets (same failure kind, and
+    never a known defect: a NEW failure must not slip into a known one), in place."""
     from conformance.harness.ops import op_from_dict, op_to_dict
     from conformance.suite.minimize import minimize, replay_fails
 
@@ -165,7 +194,7 @@ def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, mo
 
     def still_fails(ops) -> bool:
         exc, _ = outcome(ops)
-        return exc is not None and exc.kind == failure.kind
+        return exc is not None and exc.kind == failure.kind and (known is None or known(exc) is None)
 
     ops = [op_from_dict(d) for d in failure.steps]
     if not still_fails(ops):

@@ -25,11 +25,13 @@ def _init(opts) -> None:
     torch.set_num_threads(1)  # as run() does: N workers on N cores, no intra-op threads fighting them
     from conformance.harness.oracle import Oracle
     from conformance.model import TinyHybrid
+    from conformance.suite.known import expectations_for
     from conformance.suite.prepare import prepare
 
     factory, _name, _specs, model_config, env = prepare(opts)
     model = TinyHybrid(model_config)
-    _WORKER.update(opts=opts, factory=factory, model=model, oracle=Oracle(model), env=env)
+    expectations = expectations_for(opts.impl, str(getattr(factory, "version", "unknown")), opts.expectations)
+    _WORKER.update(opts=opts, factory=factory, model=model, oracle=Oracle(model), env=env, expectations=expectations)
 
 
 def _run_one(job: tuple[int, int, str]):
@@ -40,7 +42,7 @@ def _run_one(job: tuple[int, int, str]):
     w = _WORKER
     opts = w["opts"]
     res = run_check(w["factory"], get_check(check_id), w["model"], w["oracle"], opts, PROFILES[opts.profile],
-                    index, w["env"])
+                    index, w["env"], expectations=w["expectations"])
     faults = w["env"].report() if w["env"] is not None else {}
     return position, res, os.getpid(), w["oracle"].reference_runs, faults
 

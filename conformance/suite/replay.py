@@ -131,7 +131,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
         # The check's own retention checkers judge too (a retention or hit-rate
         # failure is theirs, not the logits'), exactly as during the run.
         session = make_session(factory, repro.impl_config, model, Oracle(model),
-                               standard_checkers(_observers_of(repro.check)), timeout=timeout)
+                               standard_checkers(observers_of(repro.check)), timeout=timeout)
         if env is not None:
             env.attach(session)
         for i, op in enumerate(repro.steps):
@@ -151,7 +151,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     return outcome
 
 
-def _observers_of(check_id: str) -> tuple[str, ...]:
+def observers_of(check_id: str) -> tuple[str, ...]:
     try:
         return get_check(check_id).observe
     except KeyError:  # a scenario file names no check of this suite: logits and invariants only

@@ -17,6 +17,7 @@ from conformance.results.records import RunResult
 from conformance.suite.checks import PROFILES, seed_index
 from conformance.suite.config_matrix import expand
 from conformance.suite.execute import check_faults_exercised, record_check, run_check
+from conformance.suite.known import as_dict, expectations_for, replay_pinned
 from conformance.suite.options import RunOptions, default_report_dir, now
 from conformance.suite.prepare import prepare
 
@@ -42,11 +43,14 @@ def run(opts: RunOptions) -> RunResult:
     model = TinyHybrid(model_config)
     oracle = Oracle(model)  # shared: the reference of a sequence never changes
     version = str(getattr(factory, "version", "unknown"))
+    # The engine version's known defects: a bad entry is a usage error now, before any check runs.
+    expectations = expectations_for(opts.impl, version, opts.expectations)
     result = RunResult(implementation=name, implementation_version=version, seed=opts.seed, profile=opts.profile,
                        started=now(), model=model_config.to_dict(), mutant=opts.mutant,
                        impl_spec=opts.impl, fault_names=list(opts.faults),
                        impl_config={"options": opts.impl_options, "block_size": opts.block_size,
-                                    "num_kv_blocks": opts.num_kv_blocks, "num_state_slots": opts.num_state_slots})
+                                    "num_kv_blocks": opts.num_kv_blocks, "num_state_slots": opts.num_state_slots},
+                       expectations=as_dict(expectations))
     out = None
     if opts.write_reports:
         out = Path(opts.report_dir or default_report_dir(opts.impl, opts.seed, opts.mutant, opts.faults))
@@ -54,17 +58,23 @@ def run(opts: RunOptions) -> RunResult:
     notify = opts.progress or (lambda *a, **k: None)
     parallel = None
     try:
+        if expectations is not None and expectations.table.open():
+            # FIXED is decided by each open defect's pinned repro, replayed here on this implementation.
+            notify("defect-replays", total=len(expectations.table.open()))
+            result.defect_replays = replay_pinned(expectations, factory, model, oracle, opts.timeout)
+            notify("defect-replays-done", replays=result.defect_replays)
         if opts.workers > 1 and len(planned) > 1:
             from conformance.suite.parallel import run_parallel
 
             parallel = run_parallel(opts, planned, result, out, notify)
         for k, (index, spec) in enumerate(planned if parallel is None else ()):
             notify("check-start", check=spec.id, index=k, total=len(planned))
-            res = run_check(factory, spec, model, oracle, opts, profile, index, env, notify)
+            res = run_check(factory, spec, model, oracle, opts, profile, index, env, notify, expectations)
             result.checks.append(res)
             record_check(out, result, res)
             notify("check-end", check=spec.id, result=res)
-            if opts.stop_at_failure and res.status in ("failed", "error"):
+            if opts.stop_at_failure and res.status in ("failed", "error") \
+                    and not (res.failure is not None and res.failure.defect):  # a known defect: go on
                 break
     except KeyboardInterrupt:
         result.interrupted = True

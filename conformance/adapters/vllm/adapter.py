@@ -49,6 +49,27 @@ class VllmCache:
     def validate_options(cls, config: ImplConfig) -> None:
         """Raises ValueError for options this adapter rejects (the harness makes that a usage error)."""
         VllmOptions.from_config(config)
+
+    @classmethod
+    def defect_facts(cls, config: ImplConfig) -> dict:
+        """What a known defect's conditions are judged on (fixtures/expectations/
+        vllm-*.toml ``when``), named once here instead of every way of writing
+        the options: the Mamba layer's spec (``mamba2``: MambaMixer2's, with a
+        prefill checkpoint block; ``gdn``: GDN's as on a CPU), the real block
+        size and match unit, whether hits can end inside a block, and the
+        connector's reconciliation path."""
+        o = VllmOptions.from_config(config)
+        connector = None
+        if o.connector is not None:
+            from conformance.adapters.vllm.connector import connector_options
+
+            c = connector_options(o.connector)
+            connector = "divergent" if c["divergent"] else "plain"
+            async_ = c["async"]
+        return {"layer": o.layer, "block_size": o.block_size, "prefix_match_unit": o.prefix_match_unit,
+                "sub_block": o.prefix_match_unit < o.block_size, "connector": connector,
+                "connector_async": async_ if connector else None}
+
     # The configurations under which each check family's situations are
     # reachable in vLLM (conformance/suite/config_matrix.py expands every check into
     # one variant per set; ``{}`` is vLLM's defaults: match unit = block size,

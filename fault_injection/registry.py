@@ -18,6 +18,10 @@ class Mutant:
     # Implementation options the buggy code path needs (a tier, sub-block
     # matching...): runs of this mutant set them unless the user set them.
     options: tuple[tuple[str, object], ...] = ()
+    # Not a bug but a patch of the engine (bug_class "FIX"): the id of the known defect whose cause it
+    # removes (conformance.results.defects).  A run with it must say FIXED for that defect; the
+    # mutants self-check never runs it (there is nothing to catch).
+    fixes: str | None = None
 
     def wrap(self, factory):
         return self.apply(factory)
@@ -26,12 +30,13 @@ class Mutant:
 MUTANTS: dict[str, Mutant] = {}
 
 
-def register(name: str, bug_class: str, target: str = "reference", options: dict | None = None):
+def register(name: str, bug_class: str, target: str = "reference", options: dict | None = None,
+             fixes: str | None = None):
     """Decorator for a function ``factory -> factory``; its docstring is the description."""
 
     def deco(fn):
         MUTANTS[name] = Mutant(name, bug_class, (fn.__doc__ or "").strip(), target, fn,
-                               tuple((options or {}).items()))
+                               tuple((options or {}).items()), fixes)
         return fn
 
     return deco
@@ -57,6 +62,8 @@ def instance_mutant(name: str, apply: Callable, default_name: str):
         build.name = getattr(factory, "name", default_name)
         build.version = getattr(factory, "version", "unknown")
         build.tier_option = getattr(factory, "tier_option", None)
+        # what a known defect's conditions are judged on is the engine's, mutant or not
+        build.defect_facts = getattr(factory, "defect_facts", None)
         build.__name__ = f"{getattr(factory, '__name__', default_name)}[{name}]"
         return build
 

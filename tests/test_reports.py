@@ -203,8 +203,10 @@ def test_shipped_expectations_are_found_for_each_adapter():
     # The scheduler adapter's and the engine's ids share the file without overlap.
     checks = load_expectations(cpu)["checks"]
     assert checks["mid-block-hits"]["status"] == "failed" and checks["mid-block-hits"]["kind"] == "coverage"
-    granite = checks["engine-mid-block:granite-hybrid-tiny-sharp"]
-    assert granite["status"] == "failed" and granite["kind"] == "raised" and granite["message"] == "IndexError"
+    # the engine's Granite crash is a known defect of the version, no longer pinned to its check id
+    granite = load_expectations(cpu)["defects"]["mamba2-cpu-ssd-no-intermediate-states"]
+    assert granite["kind"] == "raised" and granite["message"] == "IndexError"
+    assert "engine-mid-block:granite-hybrid-tiny-sharp" not in checks
     assert load_expectations(find_expectations("vllm", "0.33.0"))["checks"]["mid-block-hits"]["kind"] == "coverage"
 
 

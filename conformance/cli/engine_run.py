@@ -96,11 +96,14 @@ def engine_facts(profile: str, options: dict) -> dict[str, dict]:
     return out
 
 
-def replay_engine_pinned(expectations, result, options: dict) -> list[dict]:
+def replay_engine_pinned(expectations, result, options: dict, every: bool = False) -> list[dict]:
     """Each open defect's engine-level pinned repro: one engine check at the
     profile, seed and options it was pinned with.  The run's own result of
     that check is its replay when the run used exactly those; otherwise the
-    check runs again (an engine start)."""
+    check runs again (an engine start, or two for P/D).  A run replays only
+    the repros whose check its own profile plans (a quick run does not start
+    the full profile's engines); the others are "not replayed", said, and
+    ``defects --impl vllm-engine --replay`` (``every``) replays them all."""
     from conformance.engine import run_engine_checks
     from conformance.results.pinned import load_any
 
@@ -114,6 +117,11 @@ def replay_engine_pinned(expectations, result, options: dict) -> list[dict]:
             continue
         doc = pinned.doc
         record = {"defect": defect.id, "repro": str(defect.repro), "operations": 1}
+        if not every and doc["check"] not in engine_facts(result.profile, options):
+            out.append({**record, "outcome": "not replayed",
+                        "note": f"its check {doc['check']} is in profile {doc['profile']}, not {result.profile}: "
+                                f"hybrid-conformance defects --impl vllm-engine --replay replays it"})
+            continue
         same = (doc["profile"] == result.profile and doc["seed"] == result.seed and doc["options"] == options)
         check = by_id.get(doc["check"]) if same else None
         if check is None:

@@ -183,7 +183,7 @@ def judge(result_dict: dict, doc: dict, table: DefectTable | None = None) -> Ver
             verdict.not_replayed.append(rec)
     verdict.known = [g for g in groups.values() if g.status == "known"]
     verdict.new = [g for g in groups.values() if g.status == "new"]
-    seen = {g.key for g in verdict.known}
+    seen = {g.key for g in verdict.known} | {rec["defect"] for rec in verdict.fixed}
     verdict.not_seen = [d.id for d in table.open() if d.id not in seen]
     return verdict
 
@@ -238,10 +238,13 @@ def format_verdict(verdict: Verdict, doc: dict, path, result_dict: dict) -> str:
                      + (f"; first repro: {g.first_repro}" if g.first_repro else ""))
     for cid, why in verdict.unexpected_failures:
         lines.append(f"  UNEXPECTED FAILURE {cid}: {why}")
+    version = result_dict.get("implementation_version")
+    mutant = result_dict.get("mutant")
     for rec in verdict.fixed:
+        on = f"{version} with mutant {mutant}" if mutant else version
+        todo = "the patch removes its cause" if mutant else f'update the file (status = "fixed in {version}")'
         lines.append(f"  FIXED: {rec['defect']} -- its pinned repro ({rec.get('operations')} operations, "
-                     f"{rec.get('repro')}) no longer reproduces on {result_dict.get('implementation_version')}; "
-                     f"update the file (status = \"fixed in {result_dict.get('implementation_version')}\")")
+                     f"{rec.get('repro')}) no longer reproduces on {on}; {todo}")
     for rec in verdict.changed:
         lines.append(f"  CHANGED      {rec['defect']}: its pinned repro now fails otherwise ({rec.get('kind')}: "
                      f"{(rec.get('message') or '')[:200]})")

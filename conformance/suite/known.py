@@ -75,10 +75,26 @@ def load_for_run(path: str | Path, engine_ids: set[str] | None = None) -> Expect
 def expectations_for(impl: str, version: str, explicit: str | Path | None = None,
                      engine_ids: set[str] | None = None) -> Expectations | None:
     """The file a run is judged by: the one given, else the one written for
-    this adapter and engine version (none for the reference: it has nothing
-    to expect but passes, and its file is for ``compare``)."""
-    path = explicit or (find_expectations(impl, version) if impl != "reference" else None)
+    this adapter and engine version (fixtures/expectations/), if any."""
+    path = explicit or find_expectations(impl, version)
     return load_for_run(path, engine_ids) if path else None
+
+
+def check_fix_target(mutant_name: str | None, expectations: Expectations | None) -> None:
+    """A fix (a mutant of bug class FIX) names the known defect whose cause it
+    removes: an id the engine version's table does not hold is a usage error."""
+    if not mutant_name:
+        return
+    from fault_injection.catalog import get_mutant
+
+    fixes = getattr(get_mutant(mutant_name), "fixes", None)
+    if fixes is None:
+        return
+    known = expectations.table.defects if expectations is not None else {}
+    if fixes not in known:
+        where = f"in {expectations.path}" if expectations is not None else "(no expectations file for this version)"
+        raise UsageError(f"--mutant {mutant_name}: fixes the defect {fixes!r}, which is not a known defect {where} "
+                         f"(known: {', '.join(known) or 'none'})")
 
 
 class Classifier:
@@ -139,13 +155,19 @@ def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeo
         oracle = Oracle(model)
     facts = implementation_facts(factory, repro.impl_config)
     record = {"defect": defect.id, "repro": str(defect.repro), "operations": len(repro.steps)}
-    try:
-        exc, _session = replay_fails(factory, repro.impl_config, model, oracle, repro.steps, None,
-                                     timeout=timeout, families=observers_of(repro.check))
-    except (ConformanceFailure, ImplementationError) as raised:  # the implementation could not even be built
-        exc = raised
-    except ValueError as bad:
-        return {**record, "outcome": "changed", "kind": "harness", "message": f"the repro no longer applies: {bad}"}
+    for attempt_timeout in (timeout, None if timeout is None else 4 * timeout):
+        # A timeout is retried once with four times the time: on a loaded machine building an engine can
+        # take longer than a call should, and a pinned repro must not read "changed" for that.
+        try:
+            exc, _session = replay_fails(factory, repro.impl_config, model, oracle, repro.steps, None,
+                                         timeout=attempt_timeout, families=observers_of(repro.check))
+        except (ConformanceFailure, ImplementationError) as raised:  # the implementation could not even be built
+            exc = raised
+        except ValueError as bad:
+            return {**record, "outcome": "changed", "kind": "harness",
+                    "message": f"the repro no longer applies: {bad}"}
+        if getattr(exc, "kind", None) != "timeout":
+            break
     if exc is None:
         return {**record, "outcome": "fixed"}
     match = table.classify(getattr(exc, "kind", None), str(exc), facts)

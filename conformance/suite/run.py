@@ -17,7 +17,7 @@ from conformance.results.records import RunResult
 from conformance.suite.checks import PROFILES, seed_index
 from conformance.suite.config_matrix import expand
 from conformance.suite.execute import check_faults_exercised, record_check, run_check
-from conformance.suite.known import as_dict, expectations_for, replay_pinned
+from conformance.suite.known import as_dict, check_fix_target, expectations_for, replay_pinned
 from conformance.suite.options import RunOptions, default_report_dir, now
 from conformance.suite.prepare import prepare
 
@@ -45,6 +45,7 @@ def run(opts: RunOptions) -> RunResult:
     version = str(getattr(factory, "version", "unknown"))
     # The engine version's known defects: a bad entry is a usage error now, before any check runs.
     expectations = expectations_for(opts.impl, version, opts.expectations)
+    check_fix_target(opts.mutant, expectations)
     result = RunResult(implementation=name, implementation_version=version, seed=opts.seed, profile=opts.profile,
                        started=now(), model=model_config.to_dict(), mutant=opts.mutant,
                        impl_spec=opts.impl, fault_names=list(opts.faults),

@@ -61,6 +61,7 @@ from collections.abc import Mapping
 
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
+from conformance.harness.history import FaultFired, TransferCompleted
 from conformance.judge.retention import declared_retention
 from conformance.judge.reuse import INDEXES, LookupWindow
 
@@ -191,32 +192,29 @@ class ExpectedHit(Checker):
     def _note_broken_loads(self, session) -> None:
         """Requests whose loads a fault or a decision broke (from the history),
         and the host copies those loads read."""
-        events = session.history.events
+        history = session.history
         store = session.runner.transport.store
-        for ev in events[self.seen_events:]:
+        for ev in history.since(self.seen_events):
             broken: tuple[str | None, str | None] | None = None
-            if ev.get("event") == "fault" and ev.get("transfer", {}).get("direction") == "load":
-                if not ev.get("what", "").startswith("decided: ok"):
-                    broken = ev["transfer"].get("request_id"), ev["transfer"].get("key")
-            elif ev.get("event") == "transfer-done" and not ev.get("ok"):
-                broken = self._owner(session, ev["id"])
+            if isinstance(ev, FaultFired) and ev.transfer is not None and ev.transfer.direction == "load":
+                if not ev.what.startswith("decided: ok"):
+                    broken = ev.transfer.request_id, ev.transfer.key
+            elif isinstance(ev, TransferCompleted) and not ev.ok:
+                broken = self._owner(history, ev.id)
             if broken is not None:
                 rid, key = broken
                 self.excused.add(rid)
                 entry = store.entries.get(key) if key is not None else None
                 if entry is not None:  # an entry the store dropped is held by no one
                     self.distrusted[key] = entry
-        self.seen_events = len(events)
+        self.seen_events = len(history.events)
 
     @staticmethod
-    def _owner(session, transfer_id: int) -> tuple[str, str] | None:
+    def _owner(history, transfer_id: int) -> tuple[str | None, str] | None:
         """The request and the host key of a load, from the plan that issued
         it (None for an offload: a failed offload broke no load)."""
-        for ev in reversed(session.history.events):
-            for t in ev.get("transfers", ()) if ev.get("event") == "plan" else ():
-                if t["id"] == transfer_id:
-                    return (t["request_id"], t["key"]) if t.get("direction") == "load" else None
-        return None
+        t = history.issued(transfer_id)
+        return (t.request_id, t.key) if t is not None and t.direction == "load" else None
 
     # -- phases ---------------------------------------------------------------------------
     def scheduled(self, session, plan, view) -> None:

@@ -46,7 +46,7 @@ def test_a_mutant_fails_through_the_machine(model, oracle):
 class Crashing(Checker):
     name = "crashing"
 
-    def computed(self, session, executed):
+    def computed(self, obs, executed):
         raise ZeroDivisionError("a checker bug")
 
 

@@ -388,10 +388,10 @@ class HardHistories(_Base):
         against the reference's 141).  Once the pool is warm, the first
         prompt evicts and the rule ends there."""
         prompt = prompt[: max(2 * self.B, len(prompt) * cut // 4)]
-        evicted = self.session.coverage.get("evictions", 0)
+        evicted = self.session.evicted  # the session's fact, not a checker's counter
         rounds = min(self.vocab, self.session.layout.num_kv_blocks // -(-len(prompt) // self.B) + 1)
         for i in range(rounds):
-            if i and (self.session.coverage.get("evictions", 0) > evicted or not self.busy()):
+            if i and (self.session.evicted > evicted or not self.busy()):
                 break
             distinct = tuple((t + i) % self.vocab for t in prompt)  # i = 0: the drawn prompt
             if self.fits(len(distinct), 1):

@@ -24,7 +24,10 @@ class History:
         self.events.append({"event": "plan", "requests": [
             {"request_id": r.request_id, "start": r.start, "end": r.end, "block_table": list(r.block_table),
              "state_slot": r.state_slot, "state_init": r.state_init.kind, "state_source": r.state_init.source,
-             "snapshots": [list(s) for s in r.snapshots]} for r in plan.requests],
+             "snapshots": [list(s) for s in r.snapshots],
+             # speculative decoding, only on a step that verifies drafts
+             **({"drafts": list(r.drafts), "draft_slots": list(r.draft_slots)} if r.drafts else {})}
+            for r in plan.requests],
             "kv_copies": [list(c) for c in plan.kv_copies], "state_copies": [list(c) for c in plan.state_copies],
             # host-tier traffic, only when there is some (most plans have none)
             **({"transfers": [_transfer(t) for t in plan.transfers]} if plan.transfers else {})})
@@ -40,6 +43,15 @@ class History:
     def fault(self, name: str, transfer: Transfer | None, what: str) -> None:
         self.events.append({"event": "fault", "fault": name, "what": what,
                             **({"transfer": _transfer(transfer)} if transfer is not None else {})})
+
+    def drafts(self, request_id: str, tokens: tuple[int, ...]) -> None:
+        """The harness proposed ``tokens`` as drafts for the request's next step."""
+        self.events.append({"event": "drafts", "request_id": request_id, "tokens": list(tokens)})
+
+    def verified(self, request_id: str, end: int, drafts: tuple[int, ...], accepted: int) -> None:
+        """A step verified ``drafts`` after position ``end``; ``accepted`` of them were accepted."""
+        self.events.append({"event": "verified", "request_id": request_id, "end": end, "drafts": list(drafts),
+                            "accepted": accepted})
 
     def finished(self, request_ids: list[str]) -> None:
         if request_ids:

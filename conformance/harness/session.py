@@ -31,10 +31,11 @@ from conformance.harness.checker import Checker, CheckerSet, StepRecord
 from conformance.harness.guard import guarded
 from conformance.harness.history import History
 from conformance.harness.memory import Memory
-from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
+from conformance.harness.ops import Abort, Deliver, Draft, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
 from conformance.harness.oracle import Oracle
 from conformance.harness.probe import SHORT_LEN, probe_prompts
 from conformance.harness.runner import Runner
+from conformance.harness.speculation import Speculator
 from conformance.harness.transfer_control import TransferControl
 from conformance.model import TinyHybrid
 
@@ -90,6 +91,7 @@ class Session:
         self.probing = False  # while the pool probe runs (coverage does not count its requests)
         self._probes = 0
         self.ended = False  # after the pool probe (see _probe)
+        self.speculator = Speculator.of(self)  # the harness as drafter and verifier (speculative decoding)
         self.checkers.notify("attached", self)
 
     def add_checker(self, checker: Checker) -> None:
@@ -117,6 +119,8 @@ class Session:
             self.control.deliver(self.runner.transport, op.pick, op.outcome, op.delay)
         elif isinstance(op, StoreEvict):
             self.control.store_evict(self.runner.transport, op.pick)
+        elif isinstance(op, Draft):
+            self.speculator.propose(self, op)
         else:
             raise TypeError(f"unknown operation {op!r}")
 
@@ -155,6 +159,7 @@ class Session:
         self.call("abort", rid)
         track.done = True
         self.checkers.notify("aborted", self, rid)
+        self.speculator.forget(rid)
         self._settle()
 
     def _drain(self, budget: int) -> None:
@@ -260,18 +265,25 @@ class Session:
         except ContractError as exc:
             raise ConformanceFailure("contract", str(exc)) from None
         self._record_transfers()
-        sampled = {}
+        sampled: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        self.speculator.last = {}
         for ex in executed:
             self.checkers.notify("computed", self, ex)
             rs, track = ex.step, self.tracks[ex.step.request_id]
-            track.computed = rs.end
+            at_end = rs.end == len(track.tokens)
+            n = self.speculator.accept(self, rs, track)  # drafts accepted: the sequence grows by them
+            if rs.drafts:
+                accepted[rs.request_id] = n
+            track.computed = rs.end + n
             track.steps += 1
-            if rs.end == len(track.tokens) and track.generated < track.max_new:
+            if at_end and track.generated < track.max_new:
                 tok = self.oracle.next_token(track.tokens)
                 track.tokens += (tok,)
                 track.generated += 1
                 sampled[rs.request_id] = tok
-        finished = self.call("update", plan, StepResult(sampled, transfers=tuple(self.runner.completed)))
+        finished = self.call("update", plan, StepResult(sampled, transfers=tuple(self.runner.completed),
+                                                        accepted=accepted))
         self._finish(list(finished or ()))
         view_after = self._settle()
         self.checkers.notify("stepped", self, StepRecord(self.step_no, plan, view_before, view, view_after,
@@ -339,6 +351,7 @@ class Session:
             elif rs.start > track.computed:
                 raise ConformanceFailure("contract", f"{rs.request_id}: step starts at {rs.start}, but only "
                                                      f"{track.computed} tokens were computed")
+            self.speculator.validate(rs, track)
 
     def call(self, method: str, *args):
         """Call the implementation, guarded: a raise or a hang becomes an ImplementationError."""

@@ -15,7 +15,8 @@ class LogitsMatchReference(Checker):
             return
         rs = executed.step
         track = session.tracks[rs.request_id]
-        verdict = session.oracle.judge(track.tokens, rs.start, executed.logits)
+        # a verification step's logits continue through its drafts
+        verdict = session.oracle.judge(track.tokens + tuple(rs.drafts), rs.start, executed.logits)
         session.history.judged(rs, verdict, executed.reads)
         if not verdict.ok:
             raise ConformanceFailure(

@@ -41,6 +41,7 @@ from conformance.errors import ConformanceFailure, ImplementationError
 from conformance.generate import strategies
 from conformance.generate.probe import pool_probe
 from conformance.generate.spec import CheckSpec, mixed
+from conformance.generate.spec_rules import Speculative
 from conformance.harness.ops import (
     OUTCOMES,
     Abort,
@@ -181,7 +182,7 @@ class _Base(RuleBasedStateMachine):
     def start(self, bases):
         self.bases = bases
         self.session = make_session(self.impl_factory, self.impl_config, self.model, self.oracle,
-                                    standard_checkers(self.spec.observe), timeout=self.timeout)
+                                    standard_checkers(self.spec.observers), timeout=self.timeout)
         if self.attach is not None:
             self.attach(self.session)
         if self.enabled("transfers"):  # the wire's timing becomes the generator's (Transfers below)
@@ -235,7 +236,10 @@ class _Base(RuleBasedStateMachine):
         if len(active) >= self.spec.max_active or length + max_new > self.max_len:
             return False
         need = sum(-(-(t.prompt_len + t.max_new) // B) + 1 for t in active) + -(-(length + max_new) // B) + 1
-        return need <= cfg.num_kv_blocks and 2 * (len(active) + 1) <= cfg.num_state_slots
+        # speculative decoding: a state slot per draft a request may verify, besides its two
+        declared = self.session.speculator.declared
+        slots = 2 + (declared.max_drafts if declared is not None else 0)
+        return need <= cfg.num_kv_blocks and slots * (len(active) + 1) <= cfg.num_state_slots
 
     def new_id(self) -> str:
         self.next_id += 1
@@ -620,6 +624,7 @@ class Transfers(_Base):
 OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
     (HardHistories, frozenset({"live-pressure", "burst", "aba", "diverge", "live-abort"})),
     (Transfers, frozenset({"transfers"})),
+    (Speculative, frozenset({"spec"})),  # speculative decoding: conformance/generate/spec_rules.py
 )
 
 

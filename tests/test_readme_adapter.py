@@ -67,7 +67,7 @@ def test_readme_speculative_adapter_verifies_drafts_correctly(model, oracle):
         s.apply(Draft("a", count, agree))
         s.apply(Step(1024))
     s.apply(Drain(1024))
-    assert [e["accepted"] for e in s.history.events if e["event"] == "verified"] == [2, 0, 1, 1]
+    assert [e["accepted"] for e in s.history.as_data() if e["event"] == "verified"] == [2, 0, 1, 1]
     assert not s.active()
     with pytest.raises(AssertionError, match=r"spec-decode failed \(coverage\).*hits_after_verify"):
         machine_test(Spec, check="spec-decode", examples=4, steps=6)()

@@ -49,11 +49,11 @@ def test_a_verification_step_is_computed_judged_and_accepted_by_the_oracle(model
     # two accepted drafts and the token after them (the reference's greedy choice)
     assert t.tokens[: len(before) + 2] == before + v.drafts[:2] and len(t.tokens) == len(before) + 3
     assert t.computed == len(before) + 2
-    verdicts = [e for e in s.history.events if e["event"] == "verdict"]
+    verdicts = [e for e in s.history.as_data() if e["event"] == "verdict"]
     assert verdicts[-1]["end"] - verdicts[-1]["start"] == 1 and verdicts[-1]["ok"]
     s.apply(Drain(1024))  # the continuation is judged by logits: it resumes from the accepted state
     assert not s.active()
-    assert [e["accepted"] for e in s.history.events if e["event"] == "verified"] == [2]
+    assert [e["accepted"] for e in s.history.as_data() if e["event"] == "verified"] == [2]
 
 
 def test_draft_count_is_capped_by_the_declaration_and_the_remaining_tokens(model, oracle):

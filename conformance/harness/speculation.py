@@ -20,15 +20,20 @@ the contract; acceptance is the oracle's, never the implementation's logits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conformance.contract import RequestStep, Speculation
 from conformance.errors import ConformanceFailure
+from conformance.harness.history import Verified
 from conformance.harness.ops import Draft
 
-if TYPE_CHECKING:  # annotations only: the session imports this module
+if TYPE_CHECKING:  # annotations only
+    from conformance.harness.observation import Track
     from conformance.harness.oracle import Oracle
-    from conformance.harness.session import Session, Track
+
+# The session that holds the drafter (it imports this module, so it is not
+# named here: a harness.session.Session).
+Session = Any
 
 
 def draft_tokens(oracle: Oracle, seq: tuple[int, ...], count: int, agree: int, vocab: int) -> tuple[int, ...]:
@@ -57,27 +62,6 @@ def accepted_length(oracle: Oracle, seq: tuple[int, ...], drafts: tuple[int, ...
     return n
 
 
-@dataclass(frozen=True)
-class Verification:
-    """One verified step of one request, as the history and the checkers see it."""
-
-    request_id: str
-    base: tuple[int, ...]  # the sequence the drafts followed (its length is the step's end)
-    drafts: tuple[int, ...]
-    accepted: int
-    draft_slots: tuple[int, ...] = ()
-
-    @property
-    def end(self) -> int:
-        return len(self.base)
-
-    def rejected_prefix(self) -> tuple[int, ...] | None:
-        """The shortest prefix that includes a rejected draft (None: all accepted)."""
-        if self.accepted == len(self.drafts):
-            return None
-        return self.base + self.drafts[: self.accepted + 1]
-
-
 @dataclass
 class Speculator:
     """The session's drafter: the implementation's declaration, the pending
@@ -85,7 +69,7 @@ class Speculator:
 
     declared: Speculation | None = None
     proposals: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    last: dict[str, Verification] = field(default_factory=dict)  # this step's verifications
+    last: dict[str, Verified] = field(default_factory=dict)  # this step's verifications
     previous_accepted: dict[str, int] = field(default_factory=dict)  # request -> drafts its last step accepted
 
     @classmethod
@@ -150,8 +134,8 @@ class Speculator:
         a = accepted_length(session.oracle, base, tuple(rs.drafts))
         track.tokens = base + tuple(rs.drafts[:a])
         track.generated += a
-        v = Verification(rs.request_id, base, tuple(rs.drafts), a, tuple(rs.draft_slots))
+        v = Verified(rs.request_id, base, tuple(rs.drafts), a, tuple(rs.draft_slots))
         self.last[rs.request_id] = v
         self.previous_accepted[rs.request_id] = a
-        session.history.verified(rs.request_id, rs.end, tuple(rs.drafts), a)
+        session.history.verified(v)
         return a

@@ -15,7 +15,7 @@ memory holds.  One rule is left, and it is this module's:
   rollback (``num_computed_tokens -= num_rejected``, then ``cache_blocks``).
 
 Coverage (:class:`SpecCoverage`), counted from the plans, the harness's own
-record of each verification (``session.speculator``, the oracle's acceptance)
+record of each verification (the history's ``Verified`` events: the oracle's acceptance)
 and memory-checked views, never from what the implementation says:
 
 - ``verify_steps``: request steps that verified at least one draft;
@@ -44,83 +44,98 @@ from __future__ import annotations
 
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
+from conformance.harness.history import DraftsProposed
 
 SPEC_COUNTERS = ("verify_steps", "drafts_rejected_all", "drafts_accepted_partial", "drafts_accepted_all",
                  "zero_draft_after_accept", "drafts_across_block", "hits_after_verify", "snapshots_after_verify",
                  "aborts_with_drafts", "verify_under_pressure", "verify_beside_chunked_prefill")
 
 
-def _count(session, key: str, n: int = 1) -> None:
-    session.coverage[key] = session.coverage.get(key, 0) + n
-
-
 class SpecCoverage(Checker):
     name = "spec-coverage"
 
     def __init__(self):
+        super().__init__()
         self.accepted_at: list[tuple[tuple[int, ...], int]] = []  # (base + first accepted draft, its position)
         self.just_verified: set[str] = set()  # requests whose latest step verified drafts
-        self.evictions = 0
+        self.last_accepted: dict[str, int] = {}  # request -> drafts its latest step accepted
+        self.pending: set[str] = set()  # requests with drafts proposed and not verified yet
+        self.seen = 0  # history events folded so far
+        self.evicted = 0
 
-    def attached(self, session) -> None:
-        if session.speculator.declared is not None:
+    def _fold(self, obs) -> None:
+        for ev in obs.history.since(self.seen):
+            if isinstance(ev, DraftsProposed):
+                (self.pending.add if ev.tokens else self.pending.discard)(ev.request_id)
+        self.seen = len(obs.history.events)
+
+    def attached(self, obs) -> None:
+        if obs.speculation is not None:
             for key in SPEC_COUNTERS:
-                session.coverage.setdefault(key, 0)
+                self.coverage.setdefault(key, 0)
 
-    def scheduled(self, session, plan, view) -> None:
-        if session.probing or session.speculator.declared is None:
+    def scheduled(self, obs, ev) -> None:
+        if obs.probing or obs.speculation is None:
             return
-        B = session.layout.block_size
-        spec = session.speculator
+        self._fold(obs)
+        plan, B = ev.plan, obs.layout.block_size
         verifying = [rs for rs in plan.requests if rs.drafts]
         for rs in plan.requests:
-            track = session.tracks[rs.request_id]
-            if not rs.drafts and track.computed is not None and spec.previous_accepted.get(rs.request_id, 0) > 0:
-                _count(session, "zero_draft_after_accept")
+            track = obs.tracks[rs.request_id]
+            if not rs.drafts and track.computed is not None and self.last_accepted.get(rs.request_id, 0) > 0:
+                self.count("zero_draft_after_accept")
             if rs.drafts and (rs.end - 1) // B != (rs.end + len(rs.drafts) - 1) // B:
-                _count(session, "drafts_across_block")
+                self.count("drafts_across_block")
             if track.computed is None and rs.start > 0:
                 prompt = track.tokens
-                hit = any(rs.start > pos and prompt[: pos + 1] == prefix for prefix, pos in self.accepted_at)
-                _count(session, "hits_after_verify", hit)
+                self.count("hits_after_verify", any(rs.start > pos and prompt[: pos + 1] == prefix
+                                                    for prefix, pos in self.accepted_at))
         if verifying:
             chunked = [rs for rs in plan.requests if not rs.drafts
-                       and rs.start < session.tracks[rs.request_id].prompt_len
-                       and rs.end < session.tracks[rs.request_id].prompt_len]
-            _count(session, "verify_beside_chunked_prefill", bool(chunked))
+                       and rs.start < obs.tracks[rs.request_id].prompt_len
+                       and rs.end < obs.tracks[rs.request_id].prompt_len]
+            self.count("verify_beside_chunked_prefill", bool(chunked))
 
-    def stepped(self, session, record) -> None:
-        if session.probing or session.speculator.declared is None:
+    def computed(self, obs, executed) -> None:
+        if obs.speculation is not None:
+            self._fold(obs)
+            self.pending.discard(executed.step.request_id)  # a proposal lasts until the request's next step
+
+    def stepped(self, obs, record) -> None:
+        if obs.probing or obs.speculation is None:
             return
-        done = session.speculator.last
-        evicted = session.coverage.get("evictions", 0)
+        done = obs.history.verified_this_step()
         if done:
-            _count(session, "verify_under_pressure", evicted > self.evictions)
-        self.evictions = evicted
+            self.count("verify_under_pressure", obs.evicted > self.evicted)
+        self.evicted = obs.evicted
         before = {e.tokens for e in record.view_before.cached_states} if record.view_before is not None else set()
         after = record.view_after.cached_states if record.view_after is not None else ()
         new_states = [e.tokens for e in after if e.tokens not in before]
         for rs in record.plan.requests:
-            if rs.request_id not in done:
+            v = done.get(rs.request_id)
+            self.last_accepted[rs.request_id] = v.accepted if v is not None else 0
+            if v is None:
                 self.just_verified.discard(rs.request_id)
         for v in done.values():
             self.just_verified.add(v.request_id)
             k, a = len(v.drafts), v.accepted
-            _count(session, "verify_steps")
-            _count(session, "drafts_rejected_all" if a == 0 else "drafts_accepted_all" if a == k
-                   else "drafts_accepted_partial")
+            self.count("verify_steps")
+            self.count("drafts_rejected_all" if a == 0 else "drafts_accepted_all" if a == k
+                       else "drafts_accepted_partial")
             if a:
                 self.accepted_at.append((v.base + v.drafts[:1], v.end))
                 tokens = v.base + v.drafts[:a]
-                _count(session, "snapshots_after_verify",
-                       sum(1 for t in new_states if v.end < len(t) <= v.end + a and t == tokens[: len(t)]))
+                self.count("snapshots_after_verify",
+                           sum(1 for t in new_states if v.end < len(t) <= v.end + a and t == tokens[: len(t)]))
 
-    def aborted(self, session, request_id) -> None:
-        if session.speculator.declared is None:
+    def aborted(self, obs, ev) -> None:
+        if obs.speculation is None:
             return
-        pending = request_id in session.speculator.proposals
-        _count(session, "aborts_with_drafts", pending or request_id in self.just_verified)
-        self.just_verified.discard(request_id)
+        self._fold(obs)
+        rid = ev.request_id
+        self.count("aborts_with_drafts", rid in self.pending or rid in self.just_verified)
+        self.pending.discard(rid)
+        self.just_verified.discard(rid)
 
 
 class AcceptedPrefixOnly(Checker):
@@ -130,11 +145,11 @@ class AcceptedPrefixOnly(Checker):
     name = "accepted-prefix-only"
 
     def __init__(self):
+        super().__init__()
         self.rejected: list[tuple[str, tuple[int, ...]]] = []  # (request, shortest prefix with a rejected draft)
 
-    def stepped(self, session, record) -> None:
-        spec = session.speculator
-        for v in spec.last.values():
+    def stepped(self, obs, record) -> None:
+        for v in obs.history.verified_this_step().values():
             r = v.rejected_prefix()
             if r is not None:
                 self.rejected.append((v.request_id, r))
@@ -149,7 +164,7 @@ class AcceptedPrefixOnly(Checker):
             if (kind, ident, tokens) in known:
                 continue
             for rid, r in self.rejected:
-                if len(tokens) >= len(r) and tokens[: len(r)] == r and not self._real(session, tokens):
+                if len(tokens) >= len(r) and tokens[: len(r)] == r and not self._real(obs, tokens):
                     what = f"KV block {ident}" if kind == "kv" else f"state slot {ident}"
                     raise ConformanceFailure(
                         "invariant", f"{what} is cached as reusable for a {len(tokens)}-token prefix that runs "
@@ -158,7 +173,7 @@ class AcceptedPrefixOnly(Checker):
                                      f"but only the accepted prefix may be reused")
 
     @staticmethod
-    def _real(session, tokens) -> bool:
+    def _real(obs, tokens) -> bool:
         """Whether some request's real sequence has this prefix after all."""
         n = len(tokens)
-        return any(len(t.tokens) >= n and t.tokens[:n] == tokens for t in session.tracks.values())
+        return any(len(t.tokens) >= n and t.tokens[:n] == tokens for t in obs.tracks.values())

@@ -17,19 +17,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from conformance.generate import strategies
+from conformance.generate.configured import configured_rule
+from conformance.generate.rules.base import MachineBase
 from conformance.harness.ops import Abort, Draft, Step, Submit
-
-
-def configured_rule(precondition=None, **arguments):
-    """The marker :func:`conformance.generate.machine.configured_rule` sets
-    (that module composes this group, so this one does not import it): the
-    machine binds the strategies when it is built for a configuration."""
-
-    def deco(fn):
-        fn._configured = (precondition, False, arguments)
-        return fn
-
-    return deco
 
 _DRAFTS = dict(which=lambda c: st.integers(0, 7), count=lambda c: st.integers(0, 3),
                agree=lambda c: st.integers(0, 3))
@@ -39,10 +29,8 @@ def _speculating(self) -> bool:
     return self.enabled("spec") and self.busy() and self.session.speculator.declared is not None
 
 
-class Speculative:
-    """Verification steps under the generator's control (see the module
-    docstring): a mixin of the machine's ``_Base`` (its session, ``apply``,
-    ``fits``, ``bases``)."""
+class Speculative(MachineBase):
+    """Verification steps under the generator's control (see the module docstring)."""
 
     def _ready(self) -> list[str]:
         spec, tracks = self.session.speculator, self.session.tracks

@@ -128,7 +128,9 @@ class RequestStep:
     # computed at positions [end, end + len(drafts)) with logits for each; a
     # prefix of the drafts the harness proposed for this request, only on a step
     # that reaches the request's last known token (``end`` = its length).
-    # Snapshot positions may then reach ``end + len(drafts)``.
+    # Snapshot positions may then reach ``end + len(drafts)``; one at a draft
+    # position is taken only where the verifier accepts through it (as an engine
+    # copies the accepted column after verification: vLLM's postprocess_mamba).
     drafts: tuple[int, ...] = ()
     # Where the state of each verified position lives.  Per-position state slots
     # (vLLM's speculative state blocks, ``MambaSpec.num_speculative_blocks``):

@@ -157,3 +157,28 @@ def test_a_rejected_drafts_kv_stays_in_memory_with_its_provenance(model, oracle)
     # each verified position's state in its own slot
     assert s.memory.state_holds(plan.draft_slots[0]) == (v.base + v.drafts[:1],) * 2
     assert s.memory.state_holds(plan.state_slot) == (v.base,) * 2
+
+
+class _SnapshotsADraft(ReferenceCache):
+    """Asks for a snapshot of the state after the second draft into a spare slot."""
+
+    def schedule(self, budget):
+        from dataclasses import replace
+
+        plan = super().schedule(budget)
+        steps = tuple(replace(rs, snapshots=rs.snapshots + ((rs.end + 2, 22),)) if len(rs.drafts) >= 2 else rs
+                      for rs in plan.requests)
+        return StepPlan(steps, plan.kv_copies, plan.state_copies, plan.transfers)
+
+
+@pytest.mark.parametrize("agree,taken", [(2, True), (1, False)])
+def test_a_snapshot_at_a_draft_position_is_taken_only_where_the_verifier_accepts(model, oracle, agree, taken):
+    """As an engine copies the accepted column after verification (vLLM's
+    postprocess_mamba): a snapshot past a rejected draft is never taken."""
+    s = spec_session(model, oracle, factory=_SnapshotsADraft)
+    to_decode(s)
+    s.apply(Draft("a", 3, agree))
+    s.apply(Step(1024))
+    v = s.speculator.last["a"]
+    held = s.memory.state_holds(22)
+    assert (held == (v.base + v.drafts[:2],) * 2) is taken

@@ -13,7 +13,7 @@ from conformance.errors import ContractError
 from conformance.harness.memory import Memory, Prefix
 from conformance.harness.oracle import Verdict
 from conformance.harness.transport import Transport
-from conformance.model import TinyHybrid
+from conformance.model import RecState, TinyHybrid
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Runner:
         # Dry steps (the pool probe): plans are validated and executed on provenance
         # only, the model is not run and nothing is judged; the session ends after.
         self.dry = False
+        # Snapshots at draft positions, held until the verifier decides (commit_snapshots).
+        self.deferred: dict[str, list[tuple[int, int, list[RecState] | None, Prefix]]] = {}
 
     def run_transfers(self, plan: StepPlan) -> list[TransferDone]:
         self.completed = self.transport.run(tuple(plan.transfers))
@@ -129,7 +131,9 @@ class Runner:
         running slot keeps the state after ``end`` and draft slot i the state
         after ``end + i + 1``; without, the running slot is extended through
         every draft.  The session decides acceptance afterwards, from the
-        oracle; memory only records what was computed."""
+        oracle; memory only records what was computed.  A snapshot at a draft
+        position is held back until then (:meth:`commit_snapshots`): it is
+        taken only where the verifier accepts through it."""
         mem = self.memory
         k = len(rs.drafts)
         if not k:
@@ -153,14 +157,17 @@ class Runner:
         full = seq + tuple(rs.drafts)
         reads = self._init_state(rs, seq)
         columns = {rs.end + i: slot for i, slot in enumerate(slots)} if rs.draft_slots else {last: rs.state_slot}
+        now = tuple((p, slot) for p, slot in rs.snapshots if p <= rs.end)
+        later = tuple((p, slot) for p, slot in rs.snapshots if p > rs.end)
         if self.dry:
             for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
                 mem.check_block(b)
             loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
             self.transport.computed(rs.request_id, loaded)
             mem.mark_kv(rs.block_table, rs.start, last, full)
-            for pos, slot in (*columns.items(), *rs.snapshots):
+            for pos, slot in (*columns.items(), *now):
                 mem.mark_state(slot, full[:pos])
+            self.deferred[rs.request_id] = [(pos, slot, None, full[:pos]) for pos, slot in later]
             return Executed(rs, None, reads, loaded)
         past = mem.read_kv(rs.block_table, rs.start)
         states = mem.read_state(rs.state_slot)
@@ -169,6 +176,20 @@ class Runner:
         capture = tuple(sorted({*columns, *(p for p, _ in rs.snapshots)} - {last}))
         res = self.model.step(full[rs.start: last], rs.start, past, states, capture=capture)
         mem.write_kv(rs.block_table, rs.start, res.new_kv, full)
-        for pos, slot in (*columns.items(), *rs.snapshots):
+        for pos, slot in (*columns.items(), *now):
             mem.write_state(slot, res.states if pos == last else res.captured[pos], full[:pos])
+        self.deferred[rs.request_id] = [(pos, slot, res.states if pos == last else res.captured[pos], full[:pos])
+                                        for pos, slot in later]
         return Executed(rs, res.logits, reads, loaded)
+
+    def commit_snapshots(self, request_id: str, accepted_end: int) -> None:
+        """The verifier accepted through ``accepted_end``: the snapshots held
+        back at draft positions up to it are taken (as an engine copies the
+        accepted column after verification, vLLM's ``postprocess_mamba``),
+        the others never are.  After every request's step of the plan ran."""
+        for pos, slot, states, prefix in self.deferred.pop(request_id, ()):
+            if pos <= accepted_end:
+                if states is None:
+                    self.memory.mark_state(slot, prefix)
+                else:
+                    self.memory.write_state(slot, states, prefix)

@@ -286,6 +286,7 @@ class Session:
             n = self.speculator.accept(self, rs, track)  # drafts accepted: the sequence grows by them
             if rs.drafts:
                 accepted[rs.request_id] = n
+                self.runner.commit_snapshots(rs.request_id, rs.end + n)
             track.computed = rs.end + n
             track.steps += 1
             if at_end and track.generated < track.max_new:

@@ -104,7 +104,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               ("drafts_rejected_all", "drafts_accepted_partial", "drafts_accepted_all", "zero_draft_after_accept",
                "drafts_across_block", "hits_after_verify", "snapshots_after_verify", "aborts_with_drafts",
                "verify_under_pressure", "verify_beside_chunked_prefill"),
-              num_kv_blocks=32, num_state_slots=12, max_seq_blocks=10, max_active=2, max_new_tokens=8, spec=True,
+              num_kv_blocks=32, num_state_slots=12, max_seq_blocks=10, max_active=2, max_new_tokens=12, spec=True,
               observe_when_declared=("expected-hit",)),
 )
 

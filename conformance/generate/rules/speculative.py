@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from conformance.generate import strategies
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
-from conformance.harness.ops import Abort, Draft, Step, Submit
+from conformance.harness.ops import Abort, Draft, Drain, Step, Submit
 
 _DRAFTS = dict(which=lambda c: st.integers(0, 7), count=lambda c: st.integers(0, 3),
                agree=lambda c: st.integers(0, 3))
@@ -124,12 +124,21 @@ class Speculative(MachineBase):
         """A prompt that shares a sequence past drafts that were accepted, up
         to the first block boundary after them where that sequence computed
         one: a prefix hit on what verification steps wrote."""
+        if self.busy():  # the sequences computed whole (and cached where the policy says)
+            self.apply(Drain(1024))
+        # a cache whose hits give tokens back to its drafter (EAGLE's block drop,
+        # declared) reuses that much less: the prompt reaches that much further
+        drop = self.session.speculator.declared.hit_drop
+        tracks = self.session.tracks
+
+        def boundary(v) -> int:
+            return (v.end // self.B + 1 + -(-drop // self.B)) * self.B
+
         candidates = [v for v in self.verified if v.accepted]
-        v = candidates[which % len(candidates)]
-        track = self.session.tracks[v.request_id]
-        done = track.computed or 0
-        boundary = (v.end // self.B + 1) * self.B
-        cut = boundary if boundary <= done else v.end + v.accepted
+        reaching = [v for v in candidates if boundary(v) <= (tracks[v.request_id].computed or 0)]
+        v = (reaching or candidates)[which % len(reaching or candidates)]
+        track = tracks[v.request_id]
+        cut = boundary(v) if v in reaching else v.end + v.accepted
         prompt = track.tokens[: min(cut + off, len(track.tokens))] + suffix
         if self.fits(len(prompt), max_new):
             self.apply(Submit(self.new_id(), prompt, max_new))

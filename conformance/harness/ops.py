@@ -43,12 +43,13 @@ class Abort:
 
 @dataclass(frozen=True)
 class Probe:
-    """The pool probe (a black-box lifetime check, see
-    :meth:`conformance.harness.session.Session.probe`): finish what is
+    """The pool probe (a black-box lifetime check, executed by
+    :mod:`conformance.harness.pool_probe`, judged by
+    :mod:`conformance.judge.lifetime`): finish what is
     active, then at idle submit ``concurrent`` short requests together (a
     fresh instance schedules ``expect`` of them in its first step) and then
     one ``kv_tokens``-token request (a fresh instance serves it).  Its prompts
-    are fixed by these numbers (:func:`conformance.harness.probe.probe_prompts`)."""
+    are fixed by these numbers (:func:`conformance.harness.probe_prompts.probe_prompts`)."""
 
     kv_tokens: int
     concurrent: int = 0

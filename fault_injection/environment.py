@@ -264,9 +264,6 @@ class FaultSet:
     def report(self) -> dict[str, dict]:
         return {f.name: f.report() for f in self.faults}
 
-    def not_exercised(self) -> list[str]:
-        return [f.name for f in self.faults if not f.consumed]
-
 
 def build_faults(names: tuple[str, ...], seed: int) -> FaultSet:
     """``names``: fault names with optional ``:key=value`` triggers.  Raises

@@ -76,10 +76,7 @@ class TinyHybrid:
         self._inv_freq = (1.0 / (c.rope_base ** (torch.arange(half, dtype=torch.float64) / half))).to(
             dtype=dtype, device=self.device)
 
-    # -- shapes the harness allocates -------------------------------------------------
-    def kv_shape(self) -> tuple[int, int]:
-        return (self.config.attn_heads, self.config.head_dim)
-
+    # -- a fresh recurrent state (what a "fresh" StateInit starts from) ---------------
     def zero_state(self) -> RecState:
         c = self.config
         return RecState(

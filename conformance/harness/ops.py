@@ -103,12 +103,13 @@ OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "ab
                              "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict}
 # The disaggregated family's operations (applied to a DisaggSession, not a Session).
 from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
+from conformance.harness.disagg.ops import Op as DisaggOp  # noqa: E402
 
 OP_TYPES.update(_DISAGG_OPS)
 _NAMES = {cls: name for name, cls in OP_TYPES.items()}
 
 
-def op_to_dict(op: Op) -> dict:
+def op_to_dict(op: Op | DisaggOp) -> dict:
     d = {"op": _NAMES[type(op)], **asdict(op)}
     if "prompt" in d:
         d["prompt"] = list(d["prompt"])

@@ -16,6 +16,7 @@ On a CPU in float64 the two agree to ~1e-12.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -195,7 +196,7 @@ class TinyHybrid:
                 u = x @ p["w_in"]
                 window = torch.cat([st.conv, u])  # [W-1+t, ch]
                 w_ = c.conv_width
-                y = sum(window[j: j + t] * p["conv"][j] for j in range(w_))
+                y = cast(torch.Tensor, sum(window[j: j + t] * p["conv"][j] for j in range(w_)))
                 q, k, v = self._split_conv_out(y)
                 decay, beta = self._gates(p, x)
 

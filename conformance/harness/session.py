@@ -40,7 +40,7 @@ from conformance.harness.checker import Aborted, Checker, CheckerSet, Settled, S
 from conformance.harness.guard import guarded
 from conformance.harness.history import History
 from conformance.harness.memory import Memory, Prefix
-from conformance.harness.observation import Track
+from conformance.harness.observation import Record, Track
 from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
 from conformance.harness.oracle import Oracle
 from conformance.harness.pool_probe import PoolProbe
@@ -211,7 +211,7 @@ class SessionObservation:
         return self._tracks
 
     @property
-    def history(self) -> History:
+    def history(self) -> Record:
         return self._s.history
 
     @property

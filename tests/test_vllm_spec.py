@@ -115,7 +115,7 @@ def test_eagle_refuses_a_budget_at_or_below_its_lookahead_at_start_up():
                                 enable_chunked_prefill=True, is_encoder_decoder=False)
         cache = CacheConfig(block_size=4, enable_prefix_caching=True, mamba_cache_mode="align", mamba_block_size=4)
         return VllmConfig(model_config=_tiny_model_config(4096), scheduler_config=sched, cache_config=cache,
-                          speculative_config=speculative_config(method, 2, True, 4096))
+                          speculative_config=speculative_config(method, 2, True, _tiny_model_config(4096)))
 
     with pytest.raises(Exception, match="slots"):
         build("eagle", 2)

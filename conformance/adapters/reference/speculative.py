@@ -26,8 +26,13 @@ Each decision is one small method, so that a mutant overrides exactly one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from conformance.contract import Speculation
+
+if TYPE_CHECKING:
+    from conformance.adapters.reference.policy import RetentionPolicy
+    from conformance.adapters.reference.state_pool import StatePool
 
 SCHEMES = ("per-position", "rollback")
 
@@ -58,12 +63,27 @@ class SpeculativeDecoding:
 
     spec: SpecOptions
     B: int
+    if TYPE_CHECKING:  # what it uses of the cache it is mixed into (ReferenceCache)
+        states: StatePool
+        policy: RetentionPolicy
+        stats: dict[str, int]
+
+        def _find(self, request_id: str) -> Any: ...
+
+        def _register_blocks(self, req: Any) -> None: ...
+
+        def _sighted(self, req: Any, pos: int) -> bool: ...
+
+        def _register_snapshot(self, req: Any) -> None: ...
+
+        def _should_admit(self, prefix: tuple[int, ...]) -> bool: ...
 
     # -- contract ------------------------------------------------------------------
     def speculation(self) -> Speculation | None:
         if not self.spec.tokens:
             return None
-        return Speculation(self.spec.tokens, self.spec.scheme, self.B if self.spec.drop_block else 0)
+        scheme = cast(Literal["per-position", "rollback"], self.spec.scheme)
+        return Speculation(self.spec.tokens, scheme, self.B if self.spec.drop_block else 0)
 
     def propose_drafts(self, request_id: str, tokens: tuple[int, ...]) -> None:
         req = self._find(request_id)

@@ -23,7 +23,7 @@ from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from conformance.adapters.vllm import speculative
+import conformance.adapters.vllm.speculative as speculative
 from conformance.adapters.vllm.config import (
     VllmOptions,
     build_kv_cache_config,
@@ -56,9 +56,10 @@ class VllmCache:
         machine)."""
         opts = VllmOptions.from_config(config)
         if opts.spec_tokens:
-            from conformance.adapters.vllm.speculative import speculative_config
+            from conformance.adapters.vllm.config import model_config
 
-            speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes, opts.max_model_len)
+            speculative.speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes,
+                                           model_config(opts.max_model_len))
     # The configurations under which each check family's situations are
     # reachable in vLLM (conformance/suite/config_matrix.py expands every check into
     # one variant per set; ``{}`` is vLLM's defaults: match unit = block size,

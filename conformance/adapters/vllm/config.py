@@ -267,7 +267,7 @@ def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
         from conformance.adapters.vllm.speculative import speculative_config
 
         kw["speculative_config"] = speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes,
-                                                      opts.max_model_len)
+                                                      _model_config(opts.max_model_len))
     vc = VllmConfig(model_config=_model_config(opts.max_model_len), scheduler_config=sched, cache_config=cache,
                     **kw)
     vc.cache_config.num_gpu_blocks = opts.num_blocks

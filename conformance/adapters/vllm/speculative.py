@@ -85,20 +85,22 @@ def _mtp_target(max_model_len: int):
     return ModelConfig(model=folder, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len)
 
 
-def speculative_config(method: str, k: int, lookahead_hashes: bool, max_model_len: int):
-    """The ``SpeculativeConfig`` vLLM builds for ``method`` with k drafts (a
-    copy of one built once per process: the MTP draft's architecture is
-    inspected in a subprocess).  The scheduler only reads it."""
-    return copy.copy(_speculative_config(method, k, lookahead_hashes, max_model_len))
+_BUILT: dict[tuple, object] = {}
 
 
-@functools.lru_cache(maxsize=8)
-def _speculative_config(method: str, k: int, lookahead_hashes: bool, max_model_len: int):
+def speculative_config(method: str, k: int, lookahead_hashes: bool, model_config):
+    """The ``SpeculativeConfig`` vLLM builds for ``method`` with k drafts on
+    ``model_config`` (the adapter's tiny one): a copy of one built once per
+    process (the draft model's config is inspected in a subprocess).  The
+    scheduler only reads it."""
+    key = (method, k, lookahead_hashes, model_config.max_model_len)
+    if key not in _BUILT:
+        _BUILT[key] = _build(method, k, lookahead_hashes, model_config)
+    return copy.copy(_BUILT[key])
+
+
+def _build(method: str, k: int, lookahead_hashes: bool, model_config):
     from vllm.config import ParallelConfig, SpeculativeConfig
-
-    from conformance.adapters.vllm.config import model_config as _tiny_model_config
-
-    model_config = _tiny_model_config(max_model_len)
 
     kw = dict(method=method, num_speculative_tokens=k, target_parallel_config=ParallelConfig())
     if has_lookahead_hashes():

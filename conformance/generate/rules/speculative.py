@@ -14,6 +14,8 @@ coverage is counted by :class:`conformance.judge.spec_decode.SpecCoverage`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import strategies as st
 
 from conformance.generate import strategies
@@ -21,7 +23,7 @@ from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
 from conformance.harness.ops import Abort, Draft, Drain, Step, Submit
 
-_DRAFTS = dict(which=lambda c: st.integers(0, 7), count=lambda c: st.integers(0, 3),
+_DRAFTS: dict[str, Any] = dict(which=lambda c: st.integers(0, 7), count=lambda c: st.integers(0, 3),
                agree=lambda c: st.integers(0, 3))
 
 
@@ -128,7 +130,8 @@ class Speculative(MachineBase):
             self.apply(Drain(1024))
         # a cache whose hits give tokens back to its drafter (EAGLE's block drop,
         # declared) reuses that much less: the prompt reaches that much further
-        drop = self.session.speculator.declared.hit_drop
+        declared = self.session.speculator.declared
+        drop = declared.hit_drop if declared is not None else 0
         tracks = self.session.tracks
 
         def boundary(v) -> int:

@@ -12,6 +12,7 @@ reference, invariants), never through a check written for one of them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from fault_injection.registry import instance_mutant, register
 
@@ -52,7 +53,7 @@ def groups_not_reconciled(adapter):
     for idx, group in enumerate(coord.attention_groups):
         if not isinstance(group.spec, MambaSpec):
             continue
-        base = group.manager_cls
+        base: Any = group.manager_cls  # a class known at run time only
 
         class Unreconciled(base):  # a subclass per adapter: vLLM's class itself is not touched
             @classmethod
@@ -157,8 +158,6 @@ VLLM_MUTANTS: dict[str, Callable] = {
 }
 
 
-
-
 # The configuration each buggy code path needs to run at all: the tail a
 # longer external hit should release exists only with a tier and sub-block
 # matching (vLLM's default matches whole blocks).
@@ -168,7 +167,7 @@ VLLM_MUTANTS: dict[str, Callable] = {
 # The sub-block mutants are the opposite case: planted where the known
 # sub-block defects also fire (MambaMixer2's spec, match unit 1), so that the
 # run must tell them apart (known defect vs NEW, docs/reports.md).
-OPTIONS = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1, "layer": "gdn"},
+OPTIONS: dict[str, dict] = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1, "layer": "gdn"},
            "vllm-sub-block-copy-dropped": {"prefix_match_unit": 1},
            "vllm-sub-block-hit-one-token-long": {"prefix_match_unit": 1},
            "vllm-fix-sub-block-boundary-stop": {"prefix_match_unit": 1}}

@@ -54,7 +54,7 @@ def subclass_mutant(base: type, factory, name: str, **methods):
 def instance_mutant(name: str, apply: Callable, default_name: str):
     """A mutant that wraps each built instance (``apply(impl) -> impl``), for engines
     whose objects are patched at run time; the factory keeps the name, version, tier
-    option and speculative option of the one it wraps."""
+    option, speculative option, option checks and warm-up of the one it wraps."""
 
     def wrap(factory):
         def built(config):
@@ -67,6 +67,9 @@ def instance_mutant(name: str, apply: Callable, default_name: str):
         build.spec_option = getattr(factory, "spec_option", None)
         # what a known defect's conditions are judged on is the engine's, mutant or not
         build.defect_facts = getattr(factory, "defect_facts", None)
+        # and so are its option checks and one-time set-up (kept out of every call's timeout)
+        build.validate_options = getattr(factory, "validate_options", None)
+        build.warm_up = getattr(factory, "warm_up", None)
         build.__name__ = f"{getattr(factory, '__name__', default_name)}[{name}]"
         return build
 

@@ -130,7 +130,7 @@ def fix_sub_block_boundary_stop(adapter):
     exported from inside the step (vLLM 0.33's _mamba_block_aligned_split
     exempts that case), so the column vLLM registers at that boundary holds
     the state there.  Removes the cause of the known defect
-    sub-block-registered-state: a run with it must say FIXED for that defect."""
+    subblock-registration: a run with it must say FIXED for that defect."""
     _check(adapter)
     sched = adapter.scheduler
     original = sched._mamba_block_aligned_split
@@ -171,7 +171,7 @@ OPTIONS: dict[str, dict] = {"vllm-local-tail-kept": {"connector": True, "prefix_
            "vllm-sub-block-copy-dropped": {"prefix_match_unit": 1},
            "vllm-sub-block-hit-one-token-long": {"prefix_match_unit": 1},
            "vllm-fix-sub-block-boundary-stop": {"prefix_match_unit": 1}}
-FIXES = {"vllm-fix-sub-block-boundary-stop": "sub-block-registered-state"}
+FIXES = {"vllm-fix-sub-block-boundary-stop": "subblock-registration"}
 
 for _name, _apply in VLLM_MUTANTS.items():
     register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm",

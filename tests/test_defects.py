@@ -282,7 +282,7 @@ def test_engine_failures_are_triaged_by_signature_and_facts():
         failed("engine-pd:qwen3next-tiny-sharp", "logits", wrong, full["engine-pd:qwen3next-tiny-sharp"])]}
     verdict, _ = judge_file(doc, path)
     assert verdict.by_check == {granite: "known mamba2-cpu-ssd-no-intermediate-states", patched: "NEW",
-                                pd: "known pd-cpu-attn-hetero-block-layout", "engine-pd:qwen3next-tiny-sharp": "NEW"}
+                                pd: "known pd-cpu-attn-layout", "engine-pd:qwen3next-tiny-sharp": "NEW"}
 
 
 def test_a_run_replays_only_the_engine_repros_its_profile_plans():
@@ -299,4 +299,4 @@ def test_a_run_replays_only_the_engine_repros_its_profile_plans():
     out = {r["defect"]: r["outcome"] for r in replay_engine_pinned(exp, run_, {})}
     # the run's own result of the pinned check (same profile, seed, options) is its replay: no engine starts
     assert out == {"mamba2-cpu-ssd-no-intermediate-states": "reproduces",
-                   "pd-cpu-attn-hetero-block-layout": "not replayed"}
+                   "pd-cpu-attn-layout": "not replayed"}

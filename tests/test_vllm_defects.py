@@ -42,9 +42,9 @@ def test_a_fix_of_a_defects_cause_makes_its_pinned_repro_stop_reproducing(table)
     from fault_injection.catalog import get_mutant
 
     fix = get_mutant("vllm-fix-sub-block-boundary-stop")
-    assert fix.fixes == "sub-block-registered-state" and fix.bug_class == "FIX"
+    assert fix.fixes == "subblock-registration" and fix.bug_class == "FIX"
     outcomes = {r["defect"]: r["outcome"] for r in replay_pinned(table, fix.wrap(VllmCache), None, None, 120)}
-    assert outcomes.pop("sub-block-registered-state") == "fixed"
+    assert outcomes.pop("subblock-registration") == "fixed"
     assert set(outcomes.values()) == {"reproduces"}  # the fix removes that cause only
 
 

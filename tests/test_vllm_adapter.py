@@ -488,6 +488,9 @@ def test_configuration_matrix_expands_each_check():
 
 # -- prefill/decode: two vLLM Schedulers with the NixlConnector's scheduler side -------------------
 def _pd_run(model, oracle, scenario, pairing="2to1", faults=(), factory=None):
+    # As the front doors do: vLLM inspects the model once, outside the calls' timeout
+    # (building the implementation is a guarded call, as every call is).
+    VllmCache.warm_up()
     return run_disagg(factory or VllmCache.disagg_factory, model, oracle, scenario, pairing, faults=faults)
 
 

@@ -105,7 +105,11 @@ class DisaggSession:
             self.workers, self.transport_why = self.pool.get(self.layouts)
             self.workers.transport.history = self.history
         self.transport_name = self.workers.transport.name
-        self.call("connect", self.workers.handshake)
+        try:
+            self.call("connect", self.workers.handshake)
+        except BaseException:
+            self.close()  # a session that never started leaves no peer process nor shared memory behind
+            raise
         self.tracks: dict[str, Track] = {}
         self.step_no = 0  # schedule() calls so far
         self.in_flight: tuple[DisaggTransfer, ...] = ()  # as the latest transport tick began

@@ -18,7 +18,7 @@ ran, the notices -- never from what the implementation says about itself.
 
 from __future__ import annotations
 
-from conformance.disagg.contract import PREFILL
+from conformance.disagg.contract import DECODE, PREFILL
 from conformance.harness.disagg.checker import DisaggChecker
 
 COUNTERS = ("steps", "requests", "transfers", "transfers_verified", "recomputes", "prefill_hits",
@@ -60,7 +60,7 @@ class DisaggCoverage(DisaggChecker):
             # the first decode step read (and the audit passed) a state assembled from the other side's shards
             self.count("state_shards_transferred", self.shards)
             self.count(self.pairing)
-        page_bytes = obs.memories["decode"].geometry.page_bytes
+        page_bytes = obs.memories[DECODE].geometry.page_bytes
         busy = {d.dst_offset // page_bytes for t in obs.in_flight for c in t.chunks for d in c}
         self.count("in_flight_reuse", int(bool(busy - set(rs.block_table) - {rs.state_slot})))
 

@@ -27,9 +27,11 @@ def standard_checkers(families: tuple[str, ...] = ()) -> list[Checker]:
     from conformance.judge.hard_coverage import HardHistoryCoverage
     from conformance.judge.invariants import TablesReferenced, ViewMatchesMemory
     from conformance.judge.logits import LogitsMatchReference
+    from conformance.judge.memory_coverage import MemoryHistoryCoverage
     from conformance.judge.retention import RetentionChecker
 
-    return [CoverageCounter(), HardHistoryCoverage(), TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(),
+    return [CoverageCounter(), HardHistoryCoverage(), MemoryHistoryCoverage(), TablesReferenced(),
+            LogitsMatchReference(), ViewMatchesMemory(),
             *(ExpectedHit() if family == "expected-hit" else RetentionChecker(family) for family in families)]
 
 

@@ -155,7 +155,7 @@ def test_evict_running_builds_its_history_in_one_draw(machine, seed):
 @pytest.mark.parametrize("offset", [1, 2])
 def test_abort_copy_builds_its_history_in_one_draw(machine, offset):
     m = machine("mid-block-hits")
-    m.abort_before_copy_complete(0, 1, offset, tuple(range(2 * B + 1)), 2)
+    m.abort_before_copy_complete(0, 1, offset, tuple(range(B + 1)), 2)
     cov = m.session.coverage
     assert cov["aborts_before_copied_block_complete"] == 1
     assert cov["mid_block_chunks_after_mid_block_hit"] == 2  # the aborted request and the next one
@@ -164,5 +164,22 @@ def test_abort_copy_builds_its_history_in_one_draw(machine, offset):
 
 def test_tier_tail_builds_its_history_in_one_draw(machine):
     m = machine("tier-reuse")
-    m.remote_beats_local_tail(0, m.max_len - 1, 1, 2, 0)
+    m.remote_beats_local_tail(0, m.max_len - 1, 2, 2, 0)
     assert m.session.coverage["tier_hits_over_mid_block_local"] == 1
+    assert m.session.coverage["tier_hits_over_local"] == 1
+
+
+def test_a_divergence_inside_a_block_memory_holds_is_counted(model, oracle, tokens):
+    s = session(model, oracle, num_kv_blocks=16, num_state_slots=8)
+    p = tokens(8)
+    apply(s, Submit("p", p, 1), Drain(1024))
+    apply(s, Submit("q", p[:4] + (p[4] ^ 1,) + p[5:], 1), Drain(1024))  # parts at a block boundary
+    assert s.coverage["divergences_inside_held_block"] == 0
+    apply(s, Submit("r", p[:6] + (p[6] ^ 1, 9), 1), Drain(1024))  # parts 2 tokens into block 1
+    assert s.coverage["divergences_inside_held_block"] == 1
+
+
+def test_kv_first_builds_its_history_in_one_draw(machine):
+    m = machine("kv-scarce")
+    m.evict_kv_keep_state(0, 2, (1, 2))
+    assert m.session.coverage["state_outlives_kv"] == 1

@@ -53,7 +53,7 @@ __all__ = ["HybridCacheMachine", "OPTIONAL_GROUPS", "MachineBase", "Recorder", "
 OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
     (HardHistories, frozenset({"live-pressure", "burst", "aba", "diverge", "live-abort"})),
     (Transfers, frozenset({"transfers"})),
-    (Targeted, frozenset({"evict-running", "abort-copy", "tier-tail"})),
+    (Targeted, frozenset({"evict-running", "abort-copy", "tier-tail", "kv-first"})),
 )
 
 

@@ -34,6 +34,11 @@ a counter here never takes a listing alone for an eviction: an entry is
 - ``aba_displaced``: a prompt asked for again when memory holds less of what
   could serve it (KV and a state, by provenance) than it held when the
   prompt's earlier request finished: its entries were overwritten meanwhile;
+- ``divergences_inside_held_block``: a prompt whose longest prefix memory
+  holds the KV of ends inside a block, where memory holds another
+  sequence's next position: the prompt diverges, inside a block, from content
+  memory still holds (the shape counters of ``hard_coverage`` compare with
+  every earlier sequence, held or not);
 - ``state_outlives_kv``: a prompt arrives while a listed state holds a
   longer prefix of it than the KV memory holds (vllm#46453: attention evicted,
   a deeper recurrent state survives);
@@ -57,8 +62,8 @@ Prefix = tuple[int, ...]
 
 MEMORY_COUNTERS = ("cached_overwritten_while_running", "evictions_past_running_entry",
                    "aborts_before_copied_block_complete", "mid_block_chunks_after_mid_block_hit",
-                   "short_chunks_from_snapshot", "aba_displaced", "state_outlives_kv", "tier_hits_over_local",
-                   "tier_hits_over_mid_block_local")
+                   "short_chunks_from_snapshot", "aba_displaced", "divergences_inside_held_block",
+                   "state_outlives_kv", "tier_hits_over_local", "tier_hits_over_mid_block_local")
 
 
 class Held:
@@ -69,6 +74,16 @@ class Held:
         self.kv: set[Prefix] = {p for row in memory.kv_prov for p in row if p}
         self.states: set[Prefix] = {c for c, s in zip(memory.conv_prov, memory.ssm_prov, strict=True)
                                     if c is not None and c == s}
+
+    def diverges_inside_a_block(self, prompt: Prefix, block_size: int) -> bool:
+        """The longest prefix of ``prompt`` whose KV memory holds ends inside a
+        block and before the prompt's end, and memory holds a position after
+        it of another sequence: they part there."""
+        n = self.kv_len(prompt)
+        if not 0 < n < len(prompt) or n % block_size == 0:
+            return False
+        head = prompt[:n]
+        return any(len(p) == n + 1 and p[:n] == head for p in self.kv)
 
     def kv_len(self, prompt: Prefix) -> int:
         """Longest n such that memory holds the KV of every position of ``prompt[:n]``."""
@@ -110,6 +125,7 @@ class MemoryHistoryCoverage(Checker):
         held = Held(obs.memory)
         if prompt in self.finished_held and held.reuse(prompt) < self.finished_held[prompt]:
             self.count("aba_displaced")
+        self.count("divergences_inside_held_block", held.diverges_inside_a_block(prompt, B))
         view = obs.last_view
         if view is not None:
             index = INDEXES.get(view, B)

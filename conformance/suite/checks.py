@@ -32,7 +32,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("tier-reuse", "tier",
               "a small device pool spills to the second tier; later requests load back what was evicted",
               frozenset({"pressure", "continue", "step", "tier-tail"}),
-              ("tier_loads", "tier_hits", "tier_hits_over_local", "tier_hits_over_mid_block_local"),
+              ("tier_loads", "tier_hits", "tier_hits_over_local"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True),
     # The declared retention policy (default here: interval 8 and second-hit
     # together; --option overrides).  Reusing less than promised is a
@@ -71,11 +71,12 @@ CHECKS: tuple[CheckSpec, ...] = (
               "one cold prefix many times in one step; A->B->A; prompts diverging at every offset inside a block",
               frozenset({"burst", "aba", "diverge", "step"}),
               ("same_step_cold_prefills", "aba_rerequests", "in_block_divergences", "tail_divergences",
-               "aba_displaced"),
+               "aba_displaced", "divergences_inside_held_block"),
               num_kv_blocks=32, num_state_slots=12, max_seq_blocks=8, observe=("expected-hit",)),
     CheckSpec("kv-scarce", "eviction",
               "KV blocks scarcer than state slots: cached KV evicted under running requests",
-              frozenset({"live-pressure", "burst", "step", "continue"}), ("evictions_while_running", "prefix_hits"),
+              frozenset({"live-pressure", "burst", "step", "continue", "kv-first"}),
+              ("evictions_while_running", "prefix_hits", "cached_overwritten_while_running", "state_outlives_kv"),
               num_kv_blocks=14, num_state_slots=24, max_prompt_blocks=3, max_seq_blocks=6, max_active=2),
     # 24 KV blocks, four times the state slots: where one pool holds KV and
     # states (vLLM) slot pressure is pool pressure, and a pool of 64 never

@@ -18,6 +18,9 @@ second occurrence in one example adds little to the first.  Their coverage is co
   before it completed the copied block; then another prompt hits the same
   prefix, runs one token (an off-grid stop after a mid-block hit) and runs to
   its end;
+- ``kv-first``: a prompt's KV is evicted, one block-sized prompt at a
+  time, until memory holds a state of it past the KV it still holds; then
+  the prompt is asked for again, longer;
 - ``tier-tail``: the tiers' fourth case with the loads left to the transport
   (``Transfers.local_tail_against_remote`` decides them): a local hit ending
   inside a block against the host tier's hit at that block's end.
@@ -34,6 +37,7 @@ from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
 from conformance.generate.rules.draws import tail_against_remote
 from conformance.harness.ops import Abort, Drain, Step, Submit
+from conformance.judge.memory_coverage import Held
 
 
 class Targeted(MachineBase):
@@ -115,29 +119,35 @@ class Targeted(MachineBase):
                      base=lambda c: st.integers(0, 2),
                      blocks=lambda c: st.integers(1, max(1, c.spec.max_prompt_blocks - 2)),
                      offset=lambda c: st.integers(1, max(1, c.B - 2)),
-                     rest=lambda c: strategies.tokens(c.vocab, 2 * c.B + 1),
+                     rest=lambda c: strategies.tokens(c.vocab, c.B + 1),
                      max_new=lambda c: st.integers(1, c.spec.max_new_tokens))
     def abort_before_copy_complete(self, base, blocks, offset, rest, max_new):
-        """A prompt ending inside a block runs to its end (its state there is
-        a prompt-end checkpoint); a longer prompt hits it, runs one token (its
-        copy of the hit's block is not complete) and is aborted; another
-        prompt with the same prefix and another next token hits it again,
-        runs one token and then to its end.  Alone in the pool, so that the
-        one-token step is theirs."""
+        """A cached prompt ending inside a block with room left in it (its
+        prompt-end state is a checkpoint: a finished request's, or one run
+        now from a shared base); a prompt one token past that block's end
+        hits it, runs one token (its copy of the hit's block is not complete)
+        and is aborted; another prompt with the same prefix and another next
+        token hits it again, runs one token and then to its end.  Alone in
+        the pool, so that the one-token steps are theirs."""
         self.built.add("abort-copy")
-        B = self.B
-        prefix = self.bases[base][: blocks * B + offset]
+        B, tracks = self.B, self.session.tracks
         if self.busy():
             self.apply(Drain(1024))
-        self._submit_fits(prefix, 1)
-        self.apply(Drain(1024))
+        done = [r for r in self.finished if 0 < tracks[r].prompt_len % B <= B - 2]
+        if done:
+            prefix = tracks[done[base % len(done)]].tokens[: tracks[done[base % len(done)]].prompt_len]
+        else:
+            prefix = self.bases[base][: blocks * B + offset]
+            self._submit_fits(prefix, 1)
+            self.apply(Drain(1024))
+        past = rest[: B - len(prefix) % B + 1]  # through the copied block's end and one token more
         first = self.new_id()
-        if not self._submit_fits(prefix + rest, 1, first):
+        if not self._submit_fits(prefix + past, 1, first):
             return
         self.apply(Step(1))
         self.apply(Abort(first))  # mid-prefill: one token past the hit, or none
-        other = ((rest[0] + 1 + rest[-1] % (self.vocab - 1)) % self.vocab,)  # never the aborted one's token
-        if self._submit_fits(prefix + other + rest[1:], max_new):
+        other = ((past[0] + 1 + rest[-1] % (self.vocab - 1)) % self.vocab,)  # never the aborted one's token
+        if self._submit_fits(prefix + other + past[1:], max_new):
             self.apply(Step(1))
             self.apply(Drain(1024))
 
@@ -145,20 +155,57 @@ class Targeted(MachineBase):
     @configured_rule(precondition=lambda self: self.enabled("tier-tail") and self.session is not None
                      and "tier-tail" not in self.built,
                      seed=lambda c: st.integers(0, 2**32 - 1),
-                     length=lambda c: st.integers(c.max_len // 2, c.max_len - 1), k=lambda c: st.integers(1, 2),
+                     length=lambda c: st.integers(c.max_len // 2, c.max_len - 1), k=lambda c: st.integers(2, 3),
                      offset=lambda c: st.integers(1, max(1, c.B - 1)), more=lambda c: st.integers(0, 1))
     def remote_beats_local_tail(self, seed, length, k, offset, more):
         """The tiers' fourth case, the loads left to the transport: a prompt
         and a prefix of it ending inside block ``k`` are cached, junk displaces
         the older entries to the host tier, then the prompt up to that block's
         end and a diverging token is asked for: the local hit ends inside the
-        block, the host tier holds the block's end.  Drained between requests."""
+        block, the host tier holds the block's end.  Drained between requests.
+        ``k`` >= 2, so that where hits end on block boundaries only (vLLM's
+        default match unit) the local hit is the block before, not nothing:
+        the remote tier still beats a local hit."""
         self.built.add("tier-tail")
         if self.busy():
             self.apply(Drain(1024))
         for seq in tail_against_remote(self, seed, length, k, offset, more):
             self._submit_fits(seq, 1)
             self.apply(Drain(1024))
+
+    # -- kv-first --------------------------------------------------------------------------
+    @configured_rule(precondition=lambda self: self.enabled("kv-first") and self.session is not None
+                     and "kv-first" not in self.built,
+                     seed=lambda c: st.integers(0, 2**32 - 1),
+                     blocks=lambda c: st.integers(2, max(2, c.spec.max_prompt_blocks)),
+                     suffix=lambda c: strategies.tokens(c.vocab, 2))
+    def evict_kv_keep_state(self, seed, blocks, suffix):
+        """A prompt of whole blocks runs to its end; distinct one-block prompts
+        follow, one at a time, until memory no longer holds part of its KV
+        while it still holds the state after a longer prefix of it than the
+        KV it holds (where one pool serves both, the KV goes first only for a
+        while: a request's state blocks are freed after its KV blocks);
+        then the prompt and two tokens more are asked for (vllm#46453: the
+        attention group evicted, a deeper recurrent state survived)."""
+        self.built.add("kv-first")
+        rng, B = random.Random(seed), self.B
+        if self.busy():
+            self.apply(Drain(1024))
+        prompt = self._distinct(rng, blocks * B)
+        if not self._submit_fits(prompt, 1):
+            return
+        self.apply(Drain(1024))
+        for _ in range(self.impl_config.num_kv_blocks):
+            held = Held(self.session.memory)
+            kv = held.kv_len(prompt)
+            if not any(prompt[:q] in held.states for q in range(1, len(prompt) + 1)):
+                return  # the states went first
+            if any(prompt[:q] in held.states for q in range(kv + 1, len(prompt) + 1)):
+                break  # a state outlives the KV before it
+            self._submit_fits(self._distinct(rng, B + 1), 1)
+            self.apply(Drain(1024))
+        self._submit_fits(prompt + suffix, 1)
+        self.apply(Drain(1024))
 
     # -- helpers ---------------------------------------------------------------------------
     @property

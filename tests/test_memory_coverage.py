@@ -181,5 +181,5 @@ def test_a_divergence_inside_a_block_memory_holds_is_counted(model, oracle, toke
 
 def test_kv_first_builds_its_history_in_one_draw(machine):
     m = machine("kv-scarce")
-    m.evict_kv_keep_state(0, 2, (1, 2))
+    m.evict_kv_keep_state(0, 3, (1, 2))
     assert m.session.coverage["state_outlives_kv"] == 1

@@ -38,6 +38,7 @@ from conformance.generate.rules.base import MachineBase
 from conformance.generate.rules.draws import tail_against_remote
 from conformance.harness.ops import Abort, Drain, Step, Submit
 from conformance.judge.memory_coverage import Held
+from conformance.judge.reuse import INDEXES
 
 
 class Targeted(MachineBase):
@@ -177,32 +178,41 @@ class Targeted(MachineBase):
     @configured_rule(precondition=lambda self: self.enabled("kv-first") and self.session is not None
                      and "kv-first" not in self.built,
                      seed=lambda c: st.integers(0, 2**32 - 1),
-                     blocks=lambda c: st.integers(2, max(2, c.spec.max_prompt_blocks)),
+                     blocks=lambda c: st.integers(min(3, max(2, c.spec.max_seq_blocks - 2)),
+                                                  max(2, c.spec.max_seq_blocks - 2)),
                      suffix=lambda c: strategies.tokens(c.vocab, 2))
     def evict_kv_keep_state(self, seed, blocks, suffix):
-        """A prompt of whole blocks runs to its end; distinct one-block prompts
-        follow, one at a time, until memory no longer holds part of its KV
-        while it still holds the state after a longer prefix of it than the
-        KV it holds (where one pool serves both, the KV goes first only for a
-        while: a request's state blocks are freed after its KV blocks);
-        then the prompt and two tokens more are asked for (vllm#46453: the
-        attention group evicted, a deeper recurrent state survived)."""
+        """A prompt of whole blocks (three blocks or more, as the check allows:
+        the longer, the more KV blocks go before its states; on vLLM two
+        blocks went with their states in one step) runs to its end, and again
+        with a token more (a hit: what served it is the latest used);
+        distinct one-block prompts follow, one at a time, until memory no longer holds part of
+        its KV while the cache still lists a state of it (memory holding it
+        too) past the KV memory holds; then the prompt and two tokens more
+        are asked for (vllm#46453: the attention group evicted, a deeper
+        recurrent state survived).  Where one pool serves both (vLLM), the KV
+        goes first only for a while: a request's blocks are freed group by
+        group, attention first (``KVCacheCoordinator.free``), and checkpoint
+        states a request skipped past were freed before it finished, which is
+        why the hit comes first."""
         self.built.add("kv-first")
         rng, B = random.Random(seed), self.B
         if self.busy():
             self.apply(Drain(1024))
         prompt = self._distinct(rng, blocks * B)
-        if not self._submit_fits(prompt, 1):
-            return
-        self.apply(Drain(1024))
+        for seq in (prompt, prompt + suffix[:1]):
+            if not self._submit_fits(seq, 1):
+                return
+            self.apply(Drain(1024))
         for _ in range(self.impl_config.num_kv_blocks):
             held = Held(self.session.memory)
-            kv = held.kv_len(prompt)
-            if not any(prompt[:q] in held.states for q in range(1, len(prompt) + 1)):
+            listed = INDEXES.get(self.session.last_view, B).states & held.states
+            states = [q for q in range(1, len(prompt) + 1) if prompt[:q] in listed]
+            if not states:
                 return  # the states went first
-            if any(prompt[:q] in held.states for q in range(kv + 1, len(prompt) + 1)):
+            if states[-1] > held.kv_len(prompt):
                 break  # a state outlives the KV before it
-            self._submit_fits(self._distinct(rng, B + 1), 1)
+            self._submit_fits(self._distinct(rng, B + 1), 1)  # one full block (a partial one is reused at once)
             self.apply(Drain(1024))
         self._submit_fits(prompt + suffix, 1)
         self.apply(Drain(1024))

@@ -36,6 +36,7 @@ from conformance.generate.rules.base import MachineBase
 from conformance.generate.rules.hard_histories import HardHistories
 from conformance.generate.rules.pressure import Pressure
 from conformance.generate.rules.prompts import Prompts
+from conformance.generate.rules.speculative import Speculative
 from conformance.generate.rules.steps import Steps
 from conformance.generate.rules.targeted import Targeted
 from conformance.generate.rules.transfers import Transfers
@@ -53,6 +54,7 @@ __all__ = ["HybridCacheMachine", "OPTIONAL_GROUPS", "MachineBase", "Recorder", "
 OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
     (HardHistories, frozenset({"live-pressure", "burst", "aba", "diverge", "live-abort"})),
     (Transfers, frozenset({"transfers"})),
+    (Speculative, frozenset({"spec"})),
     (Targeted, frozenset({"evict-running", "abort-copy", "tier-tail", "kv-first"})),
 )
 

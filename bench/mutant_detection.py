@@ -3,7 +3,7 @@ it, which check, the seconds and examples until the first failing example,
 and the length of the minimized repro.
 
     python bench/mutant_detection.py [--impl reference] [--seeds 0-9] [--only A,B] [--profile quick]
-                                     [--jsonl FILE] [--markdown]
+                                     [--check ID ...] [--jsonl FILE [--resume]] [--markdown]
 
 ``hybrid-conformance mutants`` runs one seed; a mutant caught at one seed can
 escape at another (the generator never reached its history there), so this
@@ -17,6 +17,14 @@ before the one that caught the mutant (the suite's checks run in profile
 order).  Each finished (mutant, seed) is appended to ``--jsonl`` at once, so
 an interrupted sweep keeps what finished, and a second run with the same
 file skips what is there (``--resume``).
+
+``--check ID`` (repeatable) runs only those checks, in profile order.  A
+check draws the same examples alone as in the whole profile (its seed is its
+index in the profile, :func:`conformance.suite.checks.seed_index`), so a
+mutant caught there is caught by the profile at that seed, by that check or
+an earlier one; the seconds then count the checks run only (a mutant caught
+late in the profile costs the earlier checks' time too, about the reference's
+time for them).  The table's last column says which checks ran.
 
 Targets (measured, not asserted): every mutant caught at every seed; median
 <= 20 s, max <= 120 s to detection; repros <= 8 operations."""
@@ -33,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conformance.cli.cmd_mutants import mutants_for, run_mutant, select  # noqa: E402
+from conformance.suite.checks import PROFILES  # noqa: E402
 from conformance.suite.run import RunOptions  # noqa: E402
 
 TARGETS = {"median_s": 20.0, "max_s": 120.0, "repro_steps": 8}
@@ -56,11 +65,12 @@ def rows(entries: dict[tuple[str, int], dict], names: list[str], seeds: list[int
         out.append((name, f"{len(hit)}/{len(per)}", ",".join(missed) or "-",
                      f"{statistics.median(secs):.1f}" if secs else "-", f"{max(secs):.1f}" if secs else "-",
                      str(max((e["repro_steps"] or 0) for e in hit)) if hit else "-",
-                     ", ".join(sorted({e["check"] for e in hit})) or "-"))
+                     ", ".join(sorted({e["check"] for e in hit})) or "-",
+                     " / ".join(sorted({", ".join(e.get("checks_requested") or ["profile"]) for e in per})) or "-"))
     return out
 
 
-HEADER = ("mutant", "caught", "missed at seeds", "median s", "max s", "max repro ops", "caught by")
+HEADER = ("mutant", "caught", "missed at seeds", "median s", "max s", "max repro ops", "caught by", "checks run")
 
 
 def render(table: list[tuple[str, ...]], markdown: bool) -> str:
@@ -77,12 +87,20 @@ def main() -> int:
     p.add_argument("--seeds", default="0-9")
     p.add_argument("--only", default="")
     p.add_argument("--profile", default="quick")
+    p.add_argument("--check", action="append", default=[],
+                   help="run only this check (repeatable; profile order, the profile's draws)")
     p.add_argument("--jsonl", default="", help="append one line per (mutant, seed) here as it finishes")
     p.add_argument("--resume", action="store_true", help="skip the (mutant, seed) pairs --jsonl holds already")
     p.add_argument("--markdown", action="store_true", help="print the table in Markdown")
     args = p.parse_args()
     seeds = parse_seeds(args.seeds)
     mutants = select(mutants_for(args.impl), args.only)
+    known = [c.id for c in PROFILES[args.profile].checks] if args.profile in PROFILES else []
+    if args.profile not in PROFILES or any(c not in known for c in args.check):
+        bad = args.profile if args.profile not in PROFILES else next(c for c in args.check if c not in known)
+        print(f"mutant_detection: unknown profile or check {bad!r}; checks: {', '.join(known)}", file=sys.stderr)
+        return 2
+    checks = tuple(c for c in known if c in args.check)  # profile order
     entries: dict[tuple[str, int], dict] = {}
     sink = Path(args.jsonl) if args.jsonl else None
     if sink is not None and args.resume and sink.exists():
@@ -94,10 +112,11 @@ def main() -> int:
             for s in seeds:
                 if (m.name, s) in entries:
                     continue
-                e = run_mutant(m, RunOptions(impl=args.impl, profile=args.profile, seed=s),
+                e = run_mutant(m, RunOptions(impl=args.impl, profile=args.profile, seed=s, checks=checks),
                                Path(tmp) / f"{m.name}-{s}")
                 e = {k: e[k] for k in ("name", "detected", "check", "kind", "examples_to_detection",
-                                       "seconds_to_detection", "repro_steps", "seconds", "checks_run")} | {"seed": s}
+                                       "seconds_to_detection", "repro_steps", "seconds", "checks_run")} | \
+                    {"seed": s, "checks_requested": list(checks)}
                 entries[(m.name, s)] = e
                 if sink is not None:
                     with sink.open("a") as fh:

@@ -3,13 +3,15 @@ variant) and seed, each hard-history counter its check requires, as the run
 counted it.
 
     python bench/history_reach.py [--impl reference] [--seeds 0-9] [--check ID ...] [--no-matrix]
-                                  [--jsonl FILE] [--markdown]
+                                  [--jsonl FILE [--resume]] [--markdown]
 
 A required counter (marked ``*``) at 0 at one seed is a history the
 generator did not reach there (and a coverage failure of its check); the
 other hard-history counters a check reached are listed too.  Each (check, seed) runs as the whole
 profile would run it (a check's seed is its index in the profile), and its
-counters are appended to ``--jsonl`` as it finishes.  The hard histories:
+counters are appended to ``--jsonl`` as it finishes; ``--resume`` keeps the
+(check, seed) pairs that file holds and runs the rest, so an interrupted sweep
+loses nothing and a finished one prints its table again without running.  The hard histories:
 :mod:`conformance.judge.hard_coverage` and :mod:`conformance.judge.memory_coverage`
 (docs/hard-histories.md)."""
 
@@ -46,14 +48,27 @@ def main() -> int:
                    help="a check id (default: every check that requires a hard-history counter)")
     p.add_argument("--no-matrix", action="store_true")
     p.add_argument("--jsonl", default="")
+    p.add_argument("--resume", action="store_true", help="skip the (check, seed) pairs --jsonl holds already")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     checks = args.check or [s.id for s in CHECKS if HARD & set(s.required)]
     required = {s.id: [c for c in s.required if c in HARD] for s in CHECKS}
     rows: dict[tuple[str, str], dict[int, int]] = {}
     status: dict[tuple[str, int], str] = {}
+    done: set[tuple[str, int]] = set()
+    if args.resume and args.jsonl and Path(args.jsonl).exists():
+        for text in Path(args.jsonl).read_text().splitlines():
+            line = json.loads(text)
+            if line["check"].partition("[")[0] not in checks or line["seed"] not in parse_seeds(args.seeds):
+                continue
+            done.add((line["check"].partition("[")[0], line["seed"]))
+            status[(line["check"], line["seed"])] = line["status"]
+            for k, n in line["coverage"].items():
+                rows.setdefault((line["check"], k), {})[line["seed"]] = n
     for seed in parse_seeds(args.seeds):
         for check in checks:
+            if (check, seed) in done:
+                continue
             result = run(RunOptions(impl=args.impl, checks=(check,), seed=seed, write_reports=False,
                                     matrix=not args.no_matrix))
             for c in result.checks:

@@ -222,14 +222,6 @@ class Targeted(MachineBase):
     def vocab(self) -> int:
         return self.model.config.vocab_size
 
-    def _decoding(self, left: int) -> str | None:
-        """An active request past its prefill with ``left`` tokens or more to generate."""
-        for r in self.session.active():
-            t = self.session.tracks[r]
-            if t.computed is not None and t.computed >= t.prompt_len and t.max_new - t.generated >= left:
-                return r
-        return None
-
     def _past_prefill(self, rid: str) -> bool:
         t = self.session.tracks[rid]
         return t.done or (t.computed is not None and t.computed >= t.prompt_len)

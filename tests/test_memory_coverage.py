@@ -183,3 +183,10 @@ def test_kv_first_builds_its_history_in_one_draw(machine):
     m = machine("kv-scarce")
     m.evict_kv_keep_state(0, 3, (1, 2))
     assert m.session.coverage["state_outlives_kv"] == 1
+    assert m.session.coverage["state_outlives_held_kv"] == 0  # the reference frees a chain's head first
+
+
+def test_kv_first_keeping_the_head_leaves_a_kv_prefix_below_the_state(machine):
+    m = machine("kv-scarce")
+    m.evict_kv_keep_state(0, 3, (1, 2), keep_head=True)
+    assert m.session.coverage["state_outlives_held_kv"] == 1

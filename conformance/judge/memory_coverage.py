@@ -41,7 +41,10 @@ a counter here never takes a listing alone for an eviction: an entry is
   every earlier sequence, held or not);
 - ``state_outlives_kv``: a prompt arrives while a listed state holds a
   longer prefix of it than the KV memory holds (vllm#46453: attention evicted,
-  a deeper recurrent state survives);
+  a deeper recurrent state survives); ``state_outlives_held_kv``: the same
+  while memory still holds a KV prefix of it (the groups' hits disagree, both
+  above 0: a cache that combines them by their maximum starts past KV it
+  never found);
 - ``tier_hits_over_local`` / ``tier_hits_over_mid_block_local``: a hit whose
   first step read bytes a tier load landed (memory's load ids) and started
   past the longest prefix the device could serve when the prompt arrived
@@ -63,7 +66,8 @@ Prefix = tuple[int, ...]
 MEMORY_COUNTERS = ("cached_overwritten_while_running", "evictions_past_running_entry",
                    "aborts_before_copied_block_complete", "mid_block_chunks_after_mid_block_hit",
                    "short_chunks_from_snapshot", "aba_displaced", "divergences_inside_held_block",
-                   "state_outlives_kv", "tier_hits_over_local", "tier_hits_over_mid_block_local")
+                   "state_outlives_kv", "state_outlives_held_kv", "tier_hits_over_local",
+                   "tier_hits_over_mid_block_local")
 
 
 class Held:
@@ -131,7 +135,9 @@ class MemoryHistoryCoverage(Checker):
             index = INDEXES.get(view, B)
             self.local[ev.request.request_id] = index.best_reuse(prompt)
             deepest = max((p for p in range(1, len(prompt)) if prompt[:p] in index.states), default=0)
-            self.count("state_outlives_kv", deepest > held.kv_len(prompt))
+            kv_len = held.kv_len(prompt)
+            self.count("state_outlives_kv", deepest > kv_len)
+            self.count("state_outlives_held_kv", deepest > kv_len > 0)
         else:
             self.local[ev.request.request_id] = 0
 

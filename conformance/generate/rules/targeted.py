@@ -19,7 +19,8 @@ second occurrence in one example adds little to the first.  Their coverage is co
   prefix, runs one token (an off-grid stop after a mid-block hit) and runs to
   its end;
 - ``kv-first``: a prompt's KV is evicted, one block-sized prompt at a
-  time, until memory holds a state of it past the KV it still holds; then
+  time (drawn: each starting with the prompt's first block, which keeps it
+  held), until memory holds a state of it past the KV it still holds; then
   the prompt is asked for again, longer;
 - ``tier-tail``: the tiers' fourth case with the loads left to the transport
   (``Transfers.local_tail_against_remote`` decides them): a local hit ending
@@ -180,8 +181,9 @@ class Targeted(MachineBase):
                      seed=lambda c: st.integers(0, 2**32 - 1),
                      blocks=lambda c: st.integers(min(3, max(2, c.spec.max_seq_blocks - 2)),
                                                   max(2, c.spec.max_seq_blocks - 2)),
-                     suffix=lambda c: strategies.tokens(c.vocab, 2))
-    def evict_kv_keep_state(self, seed, blocks, suffix):
+                     suffix=lambda c: strategies.tokens(c.vocab, 2),
+                     keep_head=lambda c: st.booleans())
+    def evict_kv_keep_state(self, seed, blocks, suffix, keep_head=False):
         """A prompt of whole blocks (three blocks or more, as the check allows:
         the longer, the more KV blocks go before its states; on vLLM two
         blocks went with their states in one step) runs to its end, and again
@@ -194,7 +196,12 @@ class Targeted(MachineBase):
         goes first only for a while: a request's blocks are freed group by
         group, attention first (``KVCacheCoordinator.free``), and checkpoint
         states a request skipped past were freed before it finished, which is
-        why the hit comes first."""
+        why the hit comes first.  With ``keep_head`` the one-block prompts
+        start with the prompt's first block (a shared system prompt): a hit on
+        it keeps it young, so eviction by age takes the prompt's later blocks
+        and a KV prefix stays held below the surviving state (the groups' hits
+        disagree, both above 0); without it a cache that frees a chain head
+        first (the reference) loses the KV from position 0."""
         self.built.add("kv-first")
         rng, B = random.Random(seed), self.B
         if self.busy():
@@ -212,7 +219,8 @@ class Targeted(MachineBase):
                 return  # the states went first
             if states[-1] > held.kv_len(prompt):
                 break  # a state outlives the KV before it
-            self._submit_fits(self._distinct(rng, B + 1), 1)  # one full block (a partial one is reused at once)
+            head = prompt[:B] if keep_head else ()
+            self._submit_fits(head + self._distinct(rng, B + 1), 1)  # one full block (a partial one is reused at once)
             self.apply(Drain(1024))
         self._submit_fits(prompt + suffix, 1)
         self.apply(Drain(1024))

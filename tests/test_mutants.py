@@ -35,7 +35,7 @@ def test_mutant_is_detected_with_a_short_repro(name, tmp_path):
     assert entry["repro_steps"] is not None and entry["repro_steps"] <= 8, entry
     assert entry["examples_to_detection"] >= 1 and entry["seconds_to_detection"] >= 0
     repro = json.loads(open(entry["repro"]).read())
-    assert repro["mutant"] == name and len(repro["steps"]) == entry["repro_steps"]
+    assert repro["mutant"] == name and len(repro["operations"]) == entry["repro_steps"]
 
 
 def test_the_reference_itself_is_not_flagged(tmp_path):

@@ -31,8 +31,8 @@ def test_a_mutant_failure_leaves_a_repro(found):
     path = out / "repros" / "mid-block-hits--late-snapshot.json"
     assert path.exists() and check.failure.repro == str(path)
     doc = json.loads(path.read_text())
-    assert doc["schema"] == "hybrid-cache-conformance/repro" and doc["schema_version"] == 2
-    for key in ("implementation", "implementation_version", "impl", "seed", "impl_config", "model", "steps",
+    assert doc["schema"] == "hybrid-cache-conformance/repro" and doc["schema_version"] == 3
+    for key in ("implementation", "implementation_version", "impl", "seed", "impl_config", "model", "operations",
                 "mutant", "faults", "failure", "title", "harness"):
         assert key in doc, key
     assert doc["mutant"] == "late-snapshot" and doc["impl"] == "reference"

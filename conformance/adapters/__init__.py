@@ -22,7 +22,8 @@ def resolve(spec: str) -> ImplFactory:
     """``reference``, ``vllm`` or ``module:Class`` -> a factory ``f(ImplConfig)``."""
     target = NAMED.get(spec, spec)
     if ":" not in target:
-        raise UsageError(f"--impl {spec!r}: expected one of {', '.join(sorted(NAMED))} or module:Class")
+        raise UsageError(f"--impl {spec!r}: expected one of {', '.join(sorted({*NAMED, *ENGINE_LEVEL}))} or "
+                         f"module:Class")
     module_name, _, attr = target.partition(":")
     _import_from_cwd()
     try:

@@ -47,7 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
     p.add_argument("--examples", type=positive_int, default=None,
                    help="Hypothesis examples per check (overrides profile)")
-    p.add_argument("--steps", type=positive_int, default=None, help="operations per example (overrides profile)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="Hypothesis steps per example (rule calls; overrides profile)")
     p.set_defaults(func=main)
 
 
@@ -128,7 +129,7 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
                     seconds_before += c.seconds
                     break
                 entry.update(detected=True, check=c.id, kind=f.kind, message=f.message[:500],
-                             repro_steps=len(f.steps) if f.steps else None, repro=f.repro)
+                             repro_steps=len(f.operations) if f.operations else None, repro=f.repro)
                 if f.examples_to_failure is not None:
                     entry["examples_to_detection"] = examples_before + f.examples_to_failure
                     entry["seconds_to_detection"] = round(seconds_before + f.seconds_to_failure, 3)

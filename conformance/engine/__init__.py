@@ -116,6 +116,17 @@ def select_checks(variants, checks) -> list:
     return out
 
 
+def planned_check_ids(profile: str, options: dict | None = None, checks=()) -> list[str]:
+    """The ids of the checks a run of ``profile`` (with ``options``, narrowed to
+    ``checks``) plans, without running anything.  Raises ValueError for a
+    ``checks`` id the profile does not plan."""
+    from conformance.engine.checks import check_id
+
+    variants = select_checks(planned_checks(profile, options), checks)
+    ids = [check_id(f, v) for v in variants for f in (*v.families, "reference-agreement")]
+    return [i for i in ids if not checks or i in set(checks)]
+
+
 def _skipped(variants, reason: str) -> list[CheckResult]:
     from conformance.engine.checks import DESCRIPTIONS, check_id
 

@@ -72,7 +72,7 @@ def _engine_error_failure(tr: Trace) -> Failure:
     where = "starting the engine" if tr.error_round == -1 else f"round {tr.error_round}"
     return Failure(kind="raised" if e.kind != "timeout" else "timeout",
                    message=f"engine {e.kind} during {where}: {e.message}",
-                   steps=tr.repro(tr.error_round) if tr.error_round is not None and tr.error_round >= 0 else [],
+                   operations=tr.repro(tr.error_round) if tr.error_round is not None and tr.error_round >= 0 else [],
                    events=[{"engine_log_tail": e.log_tail[-3000:]}])
 
 
@@ -85,12 +85,12 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                          "cached_tokens", "generated_tokens", "compared_cache_off", "compared_transformers",
                          "evicted_replays"), 0)
     res = CheckResult(id=tr.check_id, family=f"engine-{tr.family}", status="passed",
-                      description=DESCRIPTIONS[tr.family], examples=1, steps=len(tr.rounds), seconds=tr.seconds,
+                      description=DESCRIPTIONS[tr.family], examples=1, operations=len(tr.rounds), seconds=tr.seconds,
                       coverage=cov)
     failure: Failure | None = None
     too_noisy = noise_verdict(tol) if off is not None else None
     if too_noisy:  # no comparison with cache-off can be trusted: said first, never widened
-        failure = Failure(kind="noise", message=too_noisy, steps=tr.repro())
+        failure = Failure(kind="noise", message=too_noisy, operations=tr.repro())
     deltas = _Deltas()
     best_hit: dict[tuple[int, ...], int] = {}
     for ri, (rnd, outs, bnds) in enumerate(zip(tr.rounds, tr.outputs, tr.bounds)):
@@ -109,7 +109,7 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
             failure = Failure(kind="coverage", message=(
                 f"only {cov['expected_hits_met']} of {cov['expected_hits']} requests designed to hit the prefix "
                 f"cache did (cached tokens > 0); at least {tol.min_hit_share:.0%} must, or the check tested nothing"),
-                steps=tr.repro())
+                operations=tr.repro())
     if failure is not None:
         res.status = "failed"
         res.failure = failure
@@ -163,7 +163,7 @@ def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffRefere
             f"{req.label}: engine reports {out.cached_tokens} cached tokens, but no sequence it was shown "
             f"shares more than {bound} tokens with this prompt" if out.cached_tokens > bound else
             f"{req.label}: {len(out.tokens)} tokens but {len(out.logprobs)} logprobs"),
-            steps=tr.repro(ri), events=[where])
+            operations=tr.repro(ri), events=[where])
     if off is not None:
         ref = off.get(req.prompt, req.max_tokens)
         cov["compared_cache_off"] += 1
@@ -174,7 +174,7 @@ def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffRefere
         mm = compare_to_cache_off(out.tokens, out.logprobs, ref.tokens, ref.logprobs, tol)
         if mm and failure is None:
             failure = Failure(kind="logits", message=f"{what} vs cache-off engine: {mm.message}",
-                              steps=tr.repro(ri), events=[where, {"cache_off_tokens": list(ref.tokens),
+                              operations=tr.repro(ri), events=[where, {"cache_off_tokens": list(ref.tokens),
                                                                   "cache_off_logprobs": list(ref.logprobs)}])
     if hf is not None:
         sc = hf.score(req.prompt + out.tokens, len(req.prompt))
@@ -189,7 +189,7 @@ def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffRefere
         mm = compare_to_transformers(out.tokens, out.logprobs, sc, tol, baseline)
         if mm and failure is None:
             failure = Failure(kind="logits", message=f"{what} vs transformers: {mm.message}",
-                              steps=tr.repro(ri), events=[where, {"transformers": sc.to_dict()}])
+                              operations=tr.repro(ri), events=[where, {"transformers": sc.to_dict()}])
     return failure
 
 
@@ -247,7 +247,8 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
             if gap > ceiling:
                 flips += 1
     res = CheckResult(id=cid, family="engine-reference-agreement", status="passed",
-                      description=DESCRIPTIONS["reference-agreement"], examples=1, steps=len(items), seconds=seconds,
+                      description=DESCRIPTIONS["reference-agreement"], examples=1, operations=len(items),
+                      seconds=seconds,
                       coverage={"requests": len(items), "compared_transformers": len(items),
                                 "ill_conditioned_excused": len(excused)})
     if measurements is not None:
@@ -258,7 +259,7 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
         note = f"; {len(excused)} ill-conditioned positions excused" if excused else ""
         res.failure = Failure(kind="logits", message=(
             f"cache-off engine vs transformers: max |Δlogprob| {worst:.3g} (ceiling {ceiling:.3g} for "
-            f"{dtype}), {flips} argmax flips that are not near-ties{note}"), steps=[where] if where else [])
+            f"{dtype}), {flips} argmax flips that are not near-ties{note}"), operations=[where] if where else [])
     return res
 
 

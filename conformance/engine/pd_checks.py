@@ -101,7 +101,7 @@ def pd_coverage(res, tr: Trace) -> None:
             res.status = "failed"
             res.failure = Failure(kind="contract", message=(
                 f"{req.label}: the decode engine reports a local hit of {local} tokens, but no sequence it was "
-                f"shown shares more than {bounds[i]} tokens with this prompt"), steps=tr.repro())
+                f"shown shares more than {bounds[i]} tokens with this prompt"), operations=tr.repro())
         cov["pd_loads"] += bool(getattr(out, "loaded", False))
         cov["pd_failed_loads"] += bool(c.get("recv_failed"))
         cov["prefill_hits"] += getattr(out, "prefill_cached", 0) > 0
@@ -119,4 +119,4 @@ def pd_coverage(res, tr: Trace) -> None:
         res.status = "failed"
         res.failure = Failure(kind="coverage", message=(
             "no decode request received KV/state from the prefill engine over NIXL "
-            f"({cov['pd_failed_loads']} failed loads): the P/D path was not exercised"), steps=tr.repro())
+            f"({cov['pd_failed_loads']} failed loads): the P/D path was not exercised"), operations=tr.repro())

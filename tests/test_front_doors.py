@@ -1,0 +1,87 @@
+"""One run behind every front door: the same check and configuration variant
+draws the same examples (the same counts, operations and coverage, the same
+verdict) from the CLI, a ``--workers`` process, the pytest plugin and
+``machine_test``.  The variant is the second of its check's matrix, the one
+``machine_test`` used to seed at another index."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.cli.main import main as cli
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANT = "mid-block-hits[interval=8]"
+MODULE = """
+from conformance.adapters.reference import ReferenceCache
+
+
+class MatrixCache(ReferenceCache):
+    name = "matrix-cache"
+    config_matrix = {"mid-block-hits": ({}, {"interval": 8})}
+"""
+EXAMPLES, STEPS = "4", "5"
+
+
+def _same(c: dict) -> tuple:
+    failure = c.get("failure") or {}
+    return (c["id"], c["status"], c["examples"], c["test_cases"], c["operations"], c["coverage"],
+            failure.get("kind"), failure.get("message"))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    d = tmp_path_factory.mktemp("project")
+    (d / "matrixcache.py").write_text(MODULE)
+    return d
+
+
+def _cli(project: Path, out: Path, *extra: str) -> dict:
+    cwd = os.getcwd()
+    os.chdir(project)  # the CLI imports module:Class from the current directory
+    try:
+        cli(["run", "--impl", "matrixcache:MatrixCache", "--check", "mid-block-hits", "--examples", EXAMPLES,
+             "--steps", STEPS, "--report-dir", str(out), *extra])
+    finally:
+        os.chdir(cwd)
+    doc = json.loads((out / "results.json").read_text())
+    return next(c for c in doc["checks"] if c["id"] == VARIANT)
+
+
+def test_the_same_variant_draws_the_same_examples_from_every_front_door(project, tmp_path):
+    serial = _cli(project, tmp_path / "cli")
+    parallel = _cli(project, tmp_path / "workers", "--workers", "2")  # each check in a spawned process
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + str(project)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "conformance.pytest_plugin", "-p", "no:cacheprovider",
+                           "-q", "--hybrid-impl", "matrixcache:MatrixCache", "--hybrid-check", "mid-block-hits",
+                           "--hybrid-examples", EXAMPLES, "--hybrid-steps", STEPS,
+                           "--hybrid-report-dir", str(tmp_path / "plugin")],
+                          cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout + proc.stderr
+    plugin = next(c for c in json.loads((tmp_path / "plugin" / "results.json").read_text())["checks"]
+                  if c["id"] == VARIANT)
+
+    sys.path.insert(0, str(project))
+    try:
+        from matrixcache import MatrixCache  # type: ignore[import-not-found]
+
+        from conformance.testing import machine_test
+
+        test = machine_test(MatrixCache, check=VARIANT, examples=int(EXAMPLES), steps=int(STEPS))
+        try:
+            test()
+        except AssertionError:
+            pass  # a coverage failure is a verdict like any other: it must be the same one
+        single = test.last_result.to_dict()
+    finally:
+        sys.path.remove(str(project))
+
+    assert _same(serial) == _same(parallel) == _same(plugin) == _same(single)
+    assert serial["examples"] == int(EXAMPLES)  # examples as --examples asked, not state machines built

@@ -36,6 +36,7 @@ def machine_test(impl_factory, check: str = "mixed", examples: int = 50, steps: 
 
             pytest.skip(f"{check}: {res.reason}")
         if res.status != "passed":
+            assert res.failure is not None
             raise AssertionError(f"{check} {res.status} ({res.failure.kind}): {res.failure.message}")
 
     run_test.__name__ = f"test_conformance_{check.replace('-', '_')}"

@@ -48,11 +48,11 @@ def refuse_unsupported(args) -> None:
 
 
 def run_engine(args) -> int:
-    from conformance.engine import planned_check_ids, run_engine_checks
+    from conformance.engine import EngineOptions, planned_check_ids, run_engine_checks
     from conformance.suite.prepare import check_report_dir
 
     refuse_unsupported(args)
-    options = parse_options(args.option)
+    options = EngineOptions.parse(parse_options(args.option))  # an unknown key: a usage error, now
     checks = tuple(getattr(args, "check", None) or ())
     try:
         planned = planned_check_ids(args.profile, options, checks)
@@ -61,7 +61,8 @@ def run_engine(args) -> int:
     if args.report_dir is not None:
         check_report_dir(Path(args.report_dir))
     result = RunResult(implementation="vllm-engine", implementation_version="", seed=args.seed,
-                       profile=args.profile, started=_now(), impl_spec=args.impl, impl_config={"options": options})
+                       profile=args.profile, started=_now(), impl_spec=args.impl,
+                       impl_config={"options": options.given})
     reports = ReportDir(Path(args.report_dir) if args.report_dir else default_report_dir(args.impl, args.seed))
     with reports.open():
         try:

@@ -205,9 +205,9 @@ def format_comparison(cmp: Comparison, old_label: str, new_label: str, first: li
         lines.append(f"  still failing {cid}")
     for cid in cmp.added:
         lines.append(f"  new check    {cid}")
-    for key, a, b in cmp.coverage_changes:
+    for key, before, after in cmp.coverage_changes:
         flag = "  LOST" if key in cmp.coverage_lost else ""
-        lines.append(f"  coverage     {key}: {a} -> {b} ({b - a:+d}){flag}")
+        lines.append(f"  coverage     {key}: {before} -> {after} ({after - before:+d}){flag}")
     if not cmp.comparable:
         lines.append("NOT COMPARABLE")
     else:

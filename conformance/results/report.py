@@ -152,19 +152,23 @@ def junit_xml(result: RunResult) -> str:
 
 
 def _witness(c: CheckResult, impl_spec: str | None = None) -> str:
-    lines = [c.failure.message, "", f"minimized sequence ({len(c.failure.operations)} operations):"]
-    lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(c.failure.operations)]
-    if c.failure.repro:
-        lines += ["", f"replay: {replay_command(c.failure.repro, impl_spec)}"]
+    f = c.failure
+    assert f is not None
+    lines = [f.message, "", f"minimized sequence ({len(f.operations)} operations):"]
+    lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(f.operations)]
+    if f.repro:
+        lines += ["", f"replay: {replay_command(f.repro, impl_spec)}"]
     return "\n".join(lines)
 
 
 def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> dict:
+    failure = check.failure
+    assert failure is not None, "a repro is written for a failed check"
     mutant_part = f" with mutant {result.mutant}" if result.mutant else ""
     return {
         "schema": REPRO_SCHEMA,
         "schema_version": REPRO_VERSION,
-        "title": f"{check.id}: {check.failure.kind} failure on {result.implementation}{mutant_part}",
+        "title": f"{check.id}: {failure.kind} failure on {result.implementation}{mutant_part}",
         "upstream": [],
         "created": result.started,
         "harness": _harness_version(),
@@ -179,10 +183,10 @@ def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> 
         "model": result.model,
         "mutant": result.mutant,
         "faults": result.fault_names,
-        "failure": {"kind": check.failure.kind, "message": check.failure.message},
-        "operations": check.failure.operations,
+        "failure": {"kind": failure.kind, "message": failure.message},
+        "operations": failure.operations,
         # informational only (replay recomputes them): the last plans and verdicts
-        "events": check.failure.events,
+        "events": failure.events,
     }
 
 

@@ -165,7 +165,7 @@ def _parse_operations(raw, vocab: int, key: str = "operations") -> list[Op]:
         except ValueError as exc:
             raise ReproFormatError(_at(key, i, d, str(exc))) from None
         if isinstance(op, (Submit, _disagg_submit())):
-            rid = op.request_id
+            rid = getattr(op, "request_id")  # noqa: B009 - both submits have one; the union type does not say so
             if rid in seen:
                 raise ReproFormatError(f"{key}[{i}].request_id: {rid!r} is submitted twice")
             seen.add(rid)

@@ -124,7 +124,8 @@ def run_disagg_check(run: Run, planned: PlannedCheck, res: Resources, notify=lam
                 return DisaggMachine(dfactory, model=model, oracle=oracle, pairing=pairing,
                                      impl_options=impl_options, transport=kind, workers=pool, recorder=recorder)
 
-            test = get_state_machine_test(machine, settings=hypothesis_settings(
+            # A factory of machines: Hypothesis calls it as it would call the class.
+            test = get_state_machine_test(machine, settings=hypothesis_settings(  # type: ignore[arg-type]
                 per_pairing, run.hypothesis_steps, shrink=run.shrink == "hypothesis"))
             # one seed per check and pairing: the two pairings explore different draws
             test = hypothesis_seed(hypothesis_seed_of(run.seed, planned.seed_index, i, len(dops.PAIRINGS)))(test)

@@ -140,7 +140,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: Notify = 
         return HybridCacheMachine(factory, spec, model=res.model, oracle=res.oracle, impl_config=impl_config,
                                   timeout=run.timeout, recorder=recorder, attach=attach)
 
-    test = get_state_machine_test(machine, settings=hypothesis_settings(
+    # A factory of machines: Hypothesis calls it as it would call the class.
+    test = get_state_machine_test(machine, settings=hypothesis_settings(  # type: ignore[arg-type]
         run.examples, run.hypothesis_steps, shrink=run.shrink in ("hypothesis", "hypothesis+ops")))
     test = hypothesis_seed(hypothesis_seed_of(run.seed, planned.seed_index))(test)
     started = time.perf_counter()
@@ -155,7 +156,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: Notify = 
     if failure is not None:
         failure.impl_config = asdict(impl_config)
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
-                       options=parse_variant_id(spec.id)[1], examples=outcome.examples,
+                       options=parse_variant_id(spec.id)[1],
+                       examples=outcome.examples if outcome.examples is not None else recorder.examples,
                        test_cases=recorder.examples, operations=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))

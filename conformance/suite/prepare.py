@@ -6,8 +6,10 @@ found here, before anything runs, so that usage errors surface at once
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from conformance.adapters import resolve
 from conformance.errors import UsageError
@@ -111,7 +113,7 @@ def impl_label(factory) -> str:
     return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', factory)}"
 
 
-def _resolve_impl(impl) -> tuple[str, object]:
+def _resolve_impl(impl) -> tuple[str, Callable[..., Any]]:
     if isinstance(impl, str):
         return impl, resolve(impl)
     if not callable(impl):

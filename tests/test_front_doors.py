@@ -102,3 +102,15 @@ def test_the_python_api_of_docs_reports_md(tmp_path, monkeypatch):
     assert result.checks[0].examples == 2 and (run.report_dir / "results.json").exists()
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.seed = 3
+
+
+def test_one_seed_function_and_the_seeds_it_gives():
+    """The values every run before the prepared Run used (results stay comparable across the change)."""
+    from conformance.suite.checks import CATALOGUE, PROFILES
+    from conformance.suite.seeds import check_seed, seed_index
+
+    assert seed_index(CATALOGUE, "mid-block-hits[prefix_match_unit=1]") == seed_index(CATALOGUE, "mid-block-hits") == 0
+    assert seed_index(CATALOGUE, "mixed") == len(PROFILES["quick"].checks)  # after the quick profile's checks
+    assert check_seed(1, 6) == 1006 and check_seed(2, 8, pairing=1, pairings=2) == (2 * 1000 + 8) * 2 + 1
+    for profile in PROFILES.values():  # every profile lists a prefix of the catalogue: index = position
+        assert profile.checks == CATALOGUE[:len(profile.checks)]

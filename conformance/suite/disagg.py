@@ -38,7 +38,7 @@ from conformance.harness.disagg.workers import WorkerPool
 from conformance.harness.ops import op_from_dict, op_to_dict
 from conformance.results.records import CheckResult, Failure
 from conformance.suite.prepared import PlannedCheck, Resources, Run
-from conformance.suite.seeds import hypothesis_seed as hypothesis_seed_of
+from conformance.suite.seeds import check_seed
 from conformance.suite.verdict import coverage_failure, run_machine
 
 
@@ -128,7 +128,7 @@ def run_disagg_check(run: Run, planned: PlannedCheck, res: Resources, notify=lam
             test = get_state_machine_test(machine, settings=hypothesis_settings(  # type: ignore[arg-type]
                 per_pairing, run.hypothesis_steps, shrink=run.shrink == "hypothesis"))
             # one seed per check and pairing: the two pairings explore different draws
-            test = hypothesis_seed(hypothesis_seed_of(run.seed, planned.seed_index, i, len(dops.PAIRINGS)))(test)
+            test = hypothesis_seed(check_seed(run.seed, planned.seed_index, i, len(dops.PAIRINGS)))(test)
             outcome = run_machine(test, recorder)
             status, failure = outcome.status, outcome.failure
             examples = None if examples is None or outcome.examples is None else examples + outcome.examples

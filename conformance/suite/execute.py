@@ -22,15 +22,12 @@ from conformance.results.records import CheckResult, Failure, RunResult
 from conformance.suite.config_matrix import parse_variant_id
 from conformance.suite.options import ProgressFn
 from conformance.suite.prepared import PlannedCheck, PoolSizes, Resources, Run
-from conformance.suite.seeds import hypothesis_seed as hypothesis_seed_of
+from conformance.suite.seeds import check_seed
 from conformance.suite.verdict import coverage_failure, run_machine
 
 
 def _quiet(event: str, **info: Any) -> None:
     pass
-
-
-Notify = ProgressFn
 
 
 def check_impl_config(spec: CheckSpec, impl_options: Mapping[str, Any], pools: PoolSizes | None = None,
@@ -92,7 +89,7 @@ def retention_note(configured: dict, declared) -> str | None:
     return f"the check configured {want}; the implementation declares {got} and was tested against its own declaration"
 
 
-def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: Notify = _quiet) -> CheckResult:
+def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressFn = _quiet) -> CheckResult:
     """Run one planned check of ``run`` with this process's resources."""
     spec = planned.spec
     if spec.disagg:
@@ -143,7 +140,7 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: Notify = 
     # A factory of machines: Hypothesis calls it as it would call the class.
     test = get_state_machine_test(machine, settings=hypothesis_settings(  # type: ignore[arg-type]
         run.examples, run.hypothesis_steps, shrink=run.shrink in ("hypothesis", "hypothesis+ops")))
-    test = hypothesis_seed(hypothesis_seed_of(run.seed, planned.seed_index))(test)
+    test = hypothesis_seed(check_seed(run.seed, planned.seed_index))(test)
     started = time.perf_counter()
     outcome = run_machine(test, recorder)
     status, failure = outcome.status, outcome.failure

@@ -6,7 +6,7 @@ a configuration variant keeps its check's index, and the disaggregated
 family's layout pairings each get their own seed from it.  So a whole run, a
 ``--check``, a shard, a ``--workers`` process, the pytest plugin and
 ``machine_test`` draw exactly the same examples for the same (check, variant,
-pairing): every path calls :func:`hypothesis_seed` with :func:`seed_index`."""
+pairing): every path calls :func:`check_seed` with :func:`seed_index`."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def seed_index(catalogue: tuple[CheckSpec, ...], check_id: str) -> int:
     return ids.index(base)
 
 
-def hypothesis_seed(run_seed: int, index: int, pairing: int | None = None, pairings: int = 1) -> int:
+def check_seed(run_seed: int, index: int, pairing: int | None = None, pairings: int = 1) -> int:
     """The seed Hypothesis runs one check (or one layout pairing of a
     disaggregated check: ``pairing`` of ``pairings``) with."""
     base = run_seed * _PER_RUN_SEED + index

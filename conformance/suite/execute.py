@@ -31,15 +31,19 @@ def _quiet(event: str, **info: Any) -> None:
 
 
 def check_impl_config(spec: CheckSpec, impl_options: Mapping[str, Any], pools: PoolSizes | None = None,
-                      tier_option: tuple[str, Any] | None = None) -> ImplConfig:
+                      tier_option: tuple[str, Any] | None = None,
+                      spec_option: tuple[str, Any] | None = None) -> ImplConfig:
     """The configuration a check builds the implementation with: the check's
     own, the run's pool sizes over it, the run's options over its options."""
     # A check's own setting of the tier option (a matrix variant choosing the
-    # connector's mode) wins over the plain "on".
+    # connector's mode) wins over the plain "on"; so does a variant's number
+    # of speculative tokens over the implementation's own.
     tier = dict([tier_option]) if spec.tier and tier_option and tier_option[0] not in spec.options else {}
+    drafts = dict([spec_option]) if spec.spec and spec_option and spec_option[0] not in spec.options else {}
     pools = pools or PoolSizes()
     return spec.impl_config(block_size=pools.block_size, num_kv_blocks=pools.num_kv_blocks,
-                            num_state_slots=pools.num_state_slots, options={**spec.options, **tier, **impl_options})
+                            num_state_slots=pools.num_state_slots,
+                            options={**spec.options, **tier, **drafts, **impl_options})
 
 
 def real_block_size(factory, impl_config, timeout: float | None):
@@ -101,8 +105,13 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
-    impl_config = real_block_size(factory, check_impl_config(spec, run.impl_options, run.pools, tier_option),
-                                  run.timeout)
+    spec_option = getattr(factory, "spec_option", None)
+    if spec.spec and not spec_option:
+        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           options=parse_variant_id(spec.id)[1],
+                           reason="the implementation has no speculative decoding (no spec_option class attribute)")
+    impl_config = real_block_size(
+        factory, check_impl_config(spec, run.impl_options, run.pools, tier_option, spec_option), run.timeout)
     notes: list[str] = []
     declared = None
     if spec.observe:
@@ -118,6 +127,9 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     why = ("the implementation declares no tier unit (retention()['tier_unit']): the expected-hit oracle "
            "cannot judge what it reuses from its second tier",) if untiered else ()
     notes.extend(why)
+    if spec.observe_when_declared and _declared_retention(factory, impl_config, run.timeout) is None:
+        notes.append(f"the implementation declares no retention policy: {', '.join(spec.observe_when_declared)} "
+                     f"did not judge this check")
     if spec.observe and declared is None:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
@@ -170,7 +182,7 @@ def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, re
 
     def outcome(ops):
         return replay_fails(factory, impl_config, res.model, res.oracle, ops,
-                            env.attach if env is not None else None, timeout=timeout, families=spec.observe)
+                            env.attach if env is not None else None, timeout=timeout, families=spec.observers)
 
     def still_fails(ops) -> bool:
         exc, _ = outcome(ops)

@@ -117,7 +117,12 @@ class ConformanceRunner:
         from conformance.suite.execute import run_check
         from conformance.suite.prepare import planned_check
 
-        res = run_check(self.run, planned_check(self.run, check_id), self.resources)
+        planned = planned_check(self.run, check_id)
+        try:
+            res = run_check(self.run, planned, self.resources)
+        except Exception as exc:  # the harness itself raised (a check's own failure is a result): never a pass
+            self.result.crashed = f"{type(exc).__name__}: {exc}"
+            raise
         self.result.checks = [c for c in self.result.checks if c.id != check_id] + [res]
         if self.reports is not None:
             self.reports.check_finished(self.result, res)
@@ -139,7 +144,7 @@ class ConformanceRunner:
         from conformance.suite.options import now
 
         self.result.finished = now()
-        if interrupted:
+        if interrupted or self.result.crashed:
             done = {c.id for c in self.result.checks}
             self.result.interrupted = True
             self.result.not_run = [p.id for p in self.run.checks if p.id not in done]

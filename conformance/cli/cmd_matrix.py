@@ -33,7 +33,8 @@ def row_verdict(row: dict, directory: Path | None = None) -> tuple[bool, str]:
     bad = [c["id"] for c in checks if c.get("status") in ("failed", "error")]
     nothing = what_ran(row)
     if row.get("interrupted"):
-        return False, f"{label}: interrupted (its results are incomplete)"
+        how = f"crashed ({row['crashed']})" if row.get("crashed") else "interrupted"
+        return False, f"{label}: {how} (its results are incomplete)"
     if not bad and not nothing:
         return True, f"{label}: passed"
     impl = row.get("impl_spec") or row.get("implementation") or ""

@@ -117,5 +117,6 @@ def summary_lines(result) -> list[str]:
         if why:  # every check errored building the implementation: one line says it
             lines.append(f"nothing was checked: {why}")
     if result.interrupted and result.not_run:
-        lines.append(f"interrupted: {len(result.not_run)} planned checks did not run ({', '.join(result.not_run)})")
+        why = f"the run crashed ({result.crashed})" if result.crashed else "interrupted"
+        lines.append(f"{why}: {len(result.not_run)} planned checks did not run ({', '.join(result.not_run)})")
     return lines

@@ -69,8 +69,10 @@ def run_engine(args) -> int:
             info, results = run_engine_checks(args.profile, args.seed, options,
                                               progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
                                               checks=checks)
-        except KeyboardInterrupt:
+        except BaseException as exc:  # a signal, or the engine run raised
             result.interrupted = True
+            if not isinstance(exc, KeyboardInterrupt):
+                result.crashed = f"{type(exc).__name__}: {exc}"
             result.not_run = planned  # the engine run returns its results at the end: none is kept
             result.finished = _now()
             reports.write(result)

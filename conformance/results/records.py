@@ -73,7 +73,10 @@ class RunResult:
     profile: str
     started: str
     finished: str | None = None
+    # The run stopped before its plan was done: a signal (SIGINT, SIGTERM), or the
+    # harness itself raised outside any check (``crashed`` then says what it raised).
     interrupted: bool = False
+    crashed: str = ""
     impl_spec: str = ""  # what --impl said (reference, vllm, module:Class)
     model: dict = field(default_factory=dict)
     impl_config: dict = field(default_factory=dict)
@@ -81,7 +84,7 @@ class RunResult:
     fault_names: list[str] = field(default_factory=list)
     faults: dict[str, dict] = field(default_factory=dict)  # fault name -> {"fired": n, ...}
     checks: list[CheckResult] = field(default_factory=list)
-    # Planned checks that did not run (the run was interrupted first): reported as not run, never dropped.
+    # Planned checks that did not run (the run was interrupted or crashed first): reported as not run, never dropped.
     not_run: list[str] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
 

@@ -23,6 +23,7 @@ REPRO_SCHEMA = "hybrid-cache-conformance/repro"
 REPRO_VERSION = 3  # docs/repro-format.md; conformance.results.repro reads it (and versions 1 and 2)
 LOCK = ".lock"
 NOT_RUN = "not run: interrupted"
+NOT_RUN_CRASHED = "not run: the run crashed"
 
 
 class ReportDir:
@@ -121,7 +122,8 @@ def junit_xml(result: RunResult) -> str:
     """One ``<testcase>`` per check.  An interrupted run lists the planned
     checks that did not run as errors ("not run: interrupted") and says so on
     the testsuite (an ``interrupted`` property and an error count that
-    includes them): a CI reading JUnit never sees such a run as a pass."""
+    includes them): a CI reading JUnit never sees such a run as a pass.  A
+    run the harness crashed out of is interrupted too, and says what raised."""
     summary = result.to_dict()["summary"]
     not_run = result.not_run if result.interrupted else []
     suite = ET.Element("testsuite", name=f"hybrid-cache-conformance[{result.implementation}]",
@@ -131,7 +133,8 @@ def junit_xml(result: RunResult) -> str:
     props = ET.SubElement(suite, "properties")
     for key, value in (("implementation", result.implementation), ("version", result.implementation_version),
                        ("seed", result.seed), ("profile", result.profile), ("mutant", result.mutant or ""),
-                       ("interrupted", str(result.interrupted).lower()), ("not_run", len(not_run))):
+                       ("interrupted", str(result.interrupted).lower()), ("crashed", result.crashed),
+                       ("not_run", len(not_run))):
         ET.SubElement(props, "property", name=key, value=str(value))
     for c in result.checks:
         case = ET.SubElement(suite, "testcase", classname=f"conformance.{c.family}", name=c.id, time=f"{c.seconds:.3f}")
@@ -141,13 +144,15 @@ def junit_xml(result: RunResult) -> str:
             el.text = _witness(c, result.impl_spec)
         elif c.status == "skipped":
             ET.SubElement(case, "skipped", message=c.reason)
+    why = f"the run crashed ({result.crashed})" if result.crashed else "the run was interrupted"
     if result.interrupted:
-        ET.SubElement(suite, "system-err").text = (
-            f"the run was interrupted: {len(result.checks)} checks finished, {len(not_run)} did not run")
+        ET.SubElement(suite, "system-err").text = \
+            f"{why}: {len(result.checks)} checks finished, {len(not_run)} did not run"
     for cid in not_run:
         case = ET.SubElement(suite, "testcase", classname="conformance.not-run", name=cid, time="0.000")
-        ET.SubElement(case, "error", message=NOT_RUN, type="interrupted").text = \
-            f"{cid} was planned but did not run: the run was interrupted"
+        ET.SubElement(case, "error", message=NOT_RUN_CRASHED if result.crashed else NOT_RUN,
+                      type="crashed" if result.crashed else "interrupted").text = \
+            f"{cid} was planned but did not run: {why}"
     return ET.tostring(suite, encoding="unicode") + "\n"
 
 

@@ -51,8 +51,10 @@ def execute(run: Run) -> RunResult:
             notify("check-end", check=planned.id, result=check)
             if run.stop_at_failure and check.status in ("failed", "error"):
                 break
-    except KeyboardInterrupt:
+    except BaseException as exc:  # a signal, or the harness itself raised outside any check
         result.interrupted = True
+        if not isinstance(exc, KeyboardInterrupt):
+            result.crashed = f"{type(exc).__name__}: {exc}"
         done = {c.id for c in result.checks}
         result.not_run = [p.id for p in run.checks if p.id not in done]
         raise

@@ -105,7 +105,7 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
-    spec_option = getattr(factory, "spec_option", None)
+    spec_option = run.spec_option
     if spec.spec and not spec_option:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],

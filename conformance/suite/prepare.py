@@ -48,8 +48,11 @@ def prepare_run(opts: RunOptions) -> Run:
             # Transfer faults need transfers, which implementations issue only
             # through their second tier: injecting faults turns it on.
             impl_options.setdefault(*tier_option)
+    # How it turns speculative decoding on (an optional class attribute, of the
+    # implementation a mutant wraps too): the spec family runs with it.
+    spec_option = getattr(factory, "spec_option", None)
     pools = PoolSizes(opts.block_size, opts.num_kv_blocks, opts.num_state_slots)
-    _check_impl_options(factory, specs, impl_options, pools, tier_option)
+    _check_impl_options(factory, specs, impl_options, pools, tier_option, spec_option)
     planned = plan_checks(specs, factory, impl_options, opts.matrix)
     if opts.shard:
         planned = select_shard(planned, *opts.shard)
@@ -70,7 +73,8 @@ def prepare_run(opts: RunOptions) -> Run:
     return Run(impl=impl, factory=factory, name=name, version=str(getattr(factory, "version", "unknown")),
                profile=profile, seed=opts.seed,
                checks=tuple(PlannedCheck(k, index, spec) for k, (index, spec) in enumerate(planned)),
-               selected=len(specs), impl_options=impl_options, tier_option=tier_option, mutant=opts.mutant,
+               selected=len(specs), impl_options=impl_options, tier_option=tier_option, spec_option=spec_option,
+               mutant=opts.mutant,
                faults=tuple(opts.faults), model_config=opts.model_config or default_model_config(),
                examples=opts.examples or profile.examples, examples_asked=opts.examples,
                hypothesis_steps=opts.steps or profile.hypothesis_steps, timeout=opts.timeout, shrink=opts.shrink,
@@ -213,7 +217,7 @@ def _check_mutant_target(mutant, impl: str, factory) -> None:
                          f"--impl {impl}")
 
 
-def _check_impl_options(factory, specs, impl_options: dict, pools: PoolSizes, tier_option) -> None:
+def _check_impl_options(factory, specs, impl_options: dict, pools: PoolSizes, tier_option, spec_option) -> None:
     """Options the implementation rejects (an interval that is not a multiple
     of the block size...) are the user's mistake: a usage error now, not an
     "error" verdict of every check.  An implementation says so through an
@@ -224,7 +228,7 @@ def _check_impl_options(factory, specs, impl_options: dict, pools: PoolSizes, ti
     from conformance.suite.execute import check_impl_config
 
     for spec in specs:
-        config = check_impl_config(spec, impl_options, pools, tier_option, getattr(factory, "spec_option", None))
+        config = check_impl_config(spec, impl_options, pools, tier_option, spec_option)
         try:
             validate(config)
         except ValueError as exc:

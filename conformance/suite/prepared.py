@@ -63,6 +63,7 @@ class Run:
     selected: int  # checks selected before the matrix and the shard (for messages)
     impl_options: Mapping[str, Any]
     tier_option: tuple[str, Any] | None  # how the implementation turns its second tier on
+    spec_option: tuple[str, Any] | None  # how it turns speculative decoding on (the spec family needs it)
     mutant: str | None
     faults: tuple[str, ...]
     model_config: ModelConfig

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from conformance.cli.common import parse_options, summary_lines
+from conformance.engine.references import HF_TIMEOUT
+from conformance.engine.vllm_engine import CALL_TIMEOUT, STARTUP_TIMEOUT
 from conformance.errors import UsageError
 from conformance.results.compare import find_expectations, format_expectations
 from conformance.results.records import RunResult
@@ -29,6 +31,8 @@ _REFUSED = (
     ("state_slots", None, "--state-slots", "the engine sizes its own pools"),
     ("no_matrix", False, "--no-matrix", "it has no configuration matrix (its variants are the profile's)"),
     ("shrink", "ops", "--shrink", "its failures are workload rounds, not minimized"),
+    ("timeout", 30.0, "--timeout", f"it times its engine's calls itself (start-up {STARTUP_TIMEOUT:.0f} s, a "
+                                   f"generation {CALL_TIMEOUT:.0f} s, the transformers reference {HF_TIMEOUT:.0f} s)"),
 )
 
 

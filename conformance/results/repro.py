@@ -15,6 +15,7 @@ from pathlib import Path
 
 from conformance.contract import ImplConfig
 from conformance.errors import ReproFormatError
+from conformance.harness.disagg.ops import DisaggSubmit, is_disagg
 from conformance.harness.ops import Op, Probe, Submit, op_from_dict
 from conformance.model import ModelConfig
 
@@ -161,14 +162,15 @@ def _parse_operations(raw, vocab: int, key: str = "operations") -> list[Op]:
     for i, d in enumerate(raw):
         try:
             op = op_from_dict(d)
-            _check_disagg_fields(op)
         except ValueError as exc:
             raise ReproFormatError(_at(key, i, d, str(exc))) from None
-        if isinstance(op, (Submit, _disagg_submit())):
-            rid = getattr(op, "request_id")  # noqa: B009 - both submits have one; the union type does not say so
-            if rid in seen:
-                raise ReproFormatError(f"{key}[{i}].request_id: {rid!r} is submitted twice")
-            seen.add(rid)
+        if ops and is_disagg(op) != is_disagg(ops[0]):
+            raise ReproFormatError(f"{key}[{i}].op: disaggregated operations (disagg-*) cannot mix with "
+                                   f"single-worker ones")
+        if isinstance(op, (Submit, DisaggSubmit)):
+            if op.request_id in seen:
+                raise ReproFormatError(f"{key}[{i}].request_id: {op.request_id!r} is submitted twice")
+            seen.add(op.request_id)
         if isinstance(op, Submit):
             bad = [t for t in op.prompt if t >= vocab]
             if bad:
@@ -181,31 +183,6 @@ def _parse_operations(raw, vocab: int, key: str = "operations") -> list[Op]:
                                    f"operation")
         ops.append(op)
     return ops
-
-
-def _disagg_submit() -> type:
-    from conformance.harness.disagg import ops as dops
-
-    return dops.OP_TYPES["disagg-submit"]
-
-
-def _check_disagg_fields(op) -> None:
-    """The disaggregated family's operations carry counts and lengths; a file
-    may hold anything there (``prompt_len=-5``, ``max_new="x"``)."""
-    from conformance.harness.disagg import ops as dops
-
-    if not dops.is_disagg(op):
-        return
-    name = next(n for n, t in dops.OP_TYPES.items() if t is type(op))
-    at_least = {"prompt_len": 1, "max_new": 1, "count": 1, "shared": 0}
-    for key, low in at_least.items():
-        if hasattr(op, key):
-            value = getattr(op, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}.{key}: must be an integer >= {low}, got {value!r}")
-    rid = getattr(op, "request_id", None)
-    if rid is not None and (not isinstance(rid, str) or not rid):
-        raise ValueError(f"{name}.request_id: must be a non-empty string")
 
 
 def _at(key: str, i: int, d, message: str) -> str:

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Install the project and one supported vLLM release (the CUDA wheel, run with VLLM_TARGET_DEVICE=cpu at the
+# scheduler level) into a virtual environment of its own:
+#
+#   bash scripts/install_vllm.sh VENV VERSION [SHARE_WITH_VENV ...]
+#
+#   bash scripts/install_vllm.sh .venvs/vllm-0.31.0 0.31.0
+#   PYTHONPATH=$PWD .venvs/vllm-0.31.0/bin/python -m conformance run --impl vllm --profile quick
+#
+# - VERSION is one of the releases the adapter supports (conformance/adapters/vllm/compat.py: SUPPORTED;
+#   tests/test_vllm_compat.py keeps this list equal to it); anything else is a usage error (exit 2).
+# - vLLM is installed with the torch its wheel pins (0.30.0-0.32.0: torch 2.13.0, 0.33.0: 2.14.0), the CUDA
+#   build from PyPI, which imports and runs on a CPU.  A machine whose pip configuration offers a local CPU
+#   wheel of that torch (find-links with torch-2.13.0+cpu) would otherwise take it, and vLLM's torchvision,
+#   built against the CUDA torch, then fails at import: "operator torchvision::nms does not exist".  So the
+#   installs here run with no pip configuration file and no find-links (PyPI only; pip's cache is kept, so
+#   a second version reuses the torch and CUDA wheels the first one downloaded).
+# - Each environment is about 11 GB.  Environments named after it (SHARE_WITH_VENV: other vLLM envs on the
+#   same file system) get their identical files (torch, the CUDA libraries: 0.30-0.32 pin the same ones)
+#   hard-linked with the new one when util-linux's `hardlink` is there: about 3 GB more per extra version
+#   instead of 11.  pip never edits an installed file in place, so linked environments stay independent.
+# - The project is installed editable from this checkout, with its test extras.
+set -euo pipefail
+
+usage() { echo "usage: install_vllm.sh VENV VERSION [SHARE_WITH_VENV ...] (VERSION: one of $SUPPORTED)" >&2; exit 2; }
+SUPPORTED="0.30.0 0.31.0 0.32.0 0.33.0"
+[ $# -ge 2 ] || usage
+VENV=$1
+VERSION=$2
+shift 2
+case " $SUPPORTED " in
+  *" $VERSION "*) ;;
+  *) echo "install_vllm.sh: vLLM $VERSION is not supported by the adapter (supported: $SUPPORTED)" >&2; exit 2 ;;
+esac
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3.11}
+log() { printf '[install_vllm.sh %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+start=$(date +%s)
+
+parent=$(dirname "$VENV")
+mkdir -p "$parent"
+free=$(df -Pk "$parent" | awk 'NR==2 {printf "%d", $4 / 1048576}')
+[ "$free" -ge 12 ] || log "WARNING: $free GiB free under $parent; a vLLM environment takes about 11 GiB"
+
+# PyPI only (see above); PIP_CERT and the like still apply.
+export PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_DISABLE_PIP_VERSION_CHECK=1
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q --upgrade pip
+
+log "installing vllm==$VERSION (with the torch it pins) into $VENV"
+"${PIP[@]}" install -q "vllm==$VERSION"
+log "installing the project (editable, test extras) from $REPO"
+"${PIP[@]}" install -q -e "$REPO[test]"
+"${PIP[@]}" check
+
+# What broke with the CPU torch: vLLM's torchvision ops, then the modules the adapter imports.
+VLLM_TARGET_DEVICE=cpu PYTHONPATH="$REPO" "$VENV/bin/python" - "$VERSION" <<'EOF'
+import sys
+import torch, torchvision
+torchvision.ops.nms  # "operator torchvision::nms does not exist" under a CPU torch
+import vllm
+assert vllm.__version__ == sys.argv[1], (vllm.__version__, sys.argv[1])
+from conformance.adapters.vllm.compat import installed
+print("torch", torch.__version__, "vllm", vllm.__version__, "build", installed().build)
+EOF
+
+if [ $# -gt 0 ] && command -v hardlink >/dev/null 2>&1; then
+  before=$(du -sk "$VENV" "$@" | awk '{s += $1} END {print s}')
+  # -f: the same file name, -t: pip does not keep the wheels' timestamps, -s: skip small files (fast).
+  hardlink -q -f -t -s 1M "$VENV" "$@" || log "WARNING: hardlink failed; the environments stay separate copies"
+  after=$(du -sk "$VENV" "$@" | awk '{s += $1} END {print s}')
+  log "hard-linked identical files with $*: $(( (before - after) / 1048576 )) GiB saved"
+fi
+log "installed vllm $VERSION into $VENV in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1) apparent)"

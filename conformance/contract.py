@@ -246,7 +246,11 @@ REQUIRED_METHODS = ("layout", "add_request", "schedule", "update", "abort", "vie
 # An implementation that declares one is checked against it (families
 # "retention" and "hit-rate", see conformance/retention.py); one that does not
 # has those checks skipped.
-OPTIONAL_METHODS = ("retention",)
+#
+#   engine_config() -> dict   what the engine was really started with for the
+#       configuration it was built with (pool, lengths, release), as plain data:
+#       recorded with each check's result (``CheckResult.engine_config``).
+OPTIONAL_METHODS = ("retention", "engine_config")
 
 
 def missing_methods(obj: object) -> list[str]:

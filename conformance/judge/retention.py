@@ -4,7 +4,7 @@ An implementation may declare its policy with an optional ``retention()``
 method (see ``contract.OPTIONAL_METHODS``)::
 
     {"interval": None | I, "admission": "always" | "second-hit",
-     "prompt_ends": True | "tail", "sequence_ends": bool,
+     "prompt_ends": True | "tail" | "floor", "sequence_ends": bool,
      "hash_unit": u, "junctions": None | J, "interval_at": "anywhere" | "chunk-ends"}
 
 From it the harness derives, per request, the *checkpoints*: the prompt end,
@@ -15,7 +15,10 @@ only where a step ends (vLLM's Mamba "align" mode): ``prompt_ends = "tail"``
 puts the prompt's checkpoint at its *tail*, the last multiple t of
 ``hash_unit`` before the last prompt token, and at the block boundary at or
 before t (where the chunk before the tail ends; under ``"chunk-ends"``, only
-where a step ends on it or exports it); ``junctions = J`` adds
+where a step ends on it or exports it); ``prompt_ends = "floor"`` is the
+same with the last multiple of ``hash_unit`` at or before the prompt's end
+(vLLM 0.30 and 0.31 register the prompt's state there, 0.32 on one token
+earlier: see conformance/adapters/vllm/compat.py); ``junctions = J`` adds
 Marconi's shared-prefix junction: a new request whose prompt the cached KV
 covers further than the hit it starts from has a checkpoint where that KV
 coverage ends, rounded down to a multiple of J; and ``interval_at =
@@ -71,8 +74,8 @@ def declared_retention(session) -> dict | None:
     if admission not in ("always", "second-hit"):
         raise ConformanceFailure("contract", f"retention(): unknown admission {admission!r}")
     prompt_ends = decl.get("prompt_ends", True)
-    if prompt_ends not in (True, False, "tail"):
-        raise ConformanceFailure("contract", f"retention(): prompt_ends must be true, false or \"tail\", "
+    if prompt_ends not in (True, False, "tail", "floor"):
+        raise ConformanceFailure("contract", f"retention(): prompt_ends must be true, false, \"tail\" or \"floor\", "
                                              f"got {prompt_ends!r}")
     units = {k: decl.get(k) for k in ("hash_unit", "junctions", "tier_unit")}
     for key, unit in units.items():
@@ -139,8 +142,9 @@ class RetentionChecker(Checker):
         interval = self.decl["interval"]
         step = self.B if interval is None else interval
         published = {end} | set(exported)
-        if self.decl["prompt_ends"] == "tail":
-            tail = (prompt_len - 1) // self.decl["hash_unit"] * self.decl["hash_unit"]
+        if self.decl["prompt_ends"] in ("tail", "floor"):
+            last = prompt_len - 1 if self.decl["prompt_ends"] == "tail" else prompt_len
+            tail = last // self.decl["hash_unit"] * self.decl["hash_unit"]
             # the block boundary before the tail: where the chunk before the
             # tail ends, unless the tail is exported from inside one chunk
             floor = tail // self.B * self.B

@@ -37,6 +37,7 @@ from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.workers import WorkerPool
 from conformance.harness.ops import op_from_dict, op_to_dict
 from conformance.results.records import CheckResult, Failure
+from conformance.suite.execute import engine_config
 from conformance.suite.verdict import coverage_failure, run_machine
 
 
@@ -110,9 +111,11 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
     started = time.perf_counter()
     pool = WorkerPool(model.config, kind)
     status, failure, config = "passed", None, None
+    started_with: dict = {}
     try:
         for i, pairing in enumerate(sorted(dops.PAIRINGS)):
             config = pairing_config(pairing, opts.impl_options)
+            started_with[pairing] = engine_config(dfactory, config, opts.timeout)
 
             def machine(pairing=pairing):
                 return DisaggMachine(dfactory, model=model, oracle=oracle, pairing=pairing,
@@ -144,7 +147,8 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
                        examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics={"transport": name, "transport_why": why,
-                                                  "workers_built": pool.built, "peer_starts": pool.peer_starts})
+                                                  "workers_built": pool.built, "peer_starts": pool.peer_starts},
+                       engine_config={p: c for p, c in started_with.items() if c})
 
 
 def _minimize(failure: Failure, dfactory, config, model, oracle, kind, pool) -> None:

@@ -58,6 +58,20 @@ def real_block_size(factory, impl_config, timeout: float | None):
 _UNKNOWN = object()  # building the implementation failed: the check reports it itself
 
 
+def engine_config(factory, impl_config, timeout: float | None) -> dict:
+    """What the implementation, built with this configuration, says it was
+    started with (optional ``engine_config()``, see conformance/contract.py);
+    empty when it says nothing or cannot be built (the check reports that)."""
+    if isinstance(factory, type) and not callable(getattr(factory, "engine_config", None)):
+        return {}
+    try:
+        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        describe = getattr(impl, "engine_config", None)
+        return dict(guarded("engine_config()", describe, timeout=timeout)) if callable(describe) else {}
+    except ImplementationError:
+        return {}
+
+
 def _declared_retention(factory, impl_config, timeout: float | None):
     """The retention policy the implementation, built with this
     configuration, declares (an engine may declare one for some settings
@@ -102,6 +116,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
     impl_config = real_block_size(factory, check_impl_config(spec, opts, tier_option), opts.timeout)
+    started_with = engine_config(factory, impl_config, opts.timeout)
     notes: list[str] = []
     if spec.observe:
         declared = _declared_retention(factory, impl_config, opts.timeout)
@@ -150,7 +165,8 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
                        options=parse_variant_id(spec.id)[1], examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
-                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
+                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes),
+                       engine_config=started_with)
 
 
 def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, model, oracle, opts: RunOptions,

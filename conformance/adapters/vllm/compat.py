@@ -219,6 +219,18 @@ def resolve_kv_cache_layout(vllm_config, specs) -> str:
     return resolve(vllm_config, [names], list(specs)).name
 
 
+# -- the NixlConnector's scheduler side --------------------------------------------------------------
+
+def nixl_prefill_truncation() -> str:
+    """The NixlConnector scheduler's method that makes the prefill instance of
+    a Mamba model stop at N-1 tokens (the decode side recomputes the last one,
+    ``_get_remote_prefill_token_count``): ``_truncate_request_for_prefill``
+    from 0.31.0 (kv_connector/v1/nixl/base_scheduler.py:409; 0.33.0 :411),
+    ``_truncate_mamba_request_for_prefill`` in 0.30.0 (:392, called at :203).
+    A mutant patching the newer name on 0.30.0 would patch nothing."""
+    return "_truncate_request_for_prefill" if since("0.31.0") else "_truncate_mamba_request_for_prefill"
+
+
 # -- the worker's prefill checkpoint ---------------------------------------------------------------
 
 def checkpoint_hash_sizes(cache_config, mamba_block_size: int) -> tuple[int | None, int | None]:

@@ -19,6 +19,8 @@
 #   same file system) get their identical files (torch, the CUDA libraries: 0.30-0.32 pin the same ones)
 #   hard-linked with the new one when util-linux's `hardlink` is there: about 3 GB more per extra version
 #   instead of 11.  pip never edits an installed file in place, so linked environments stay independent.
+# - NIXL 1.5.1 (UCX) as the main environment has it (scripts/install_nixl.sh): the disagg-transfer check's
+#   transport, so that a release is not judged on the in-process stand-in where 0.33.0 runs NIXL.
 # - The project is installed editable from this checkout, with its test extras.
 set -euo pipefail
 
@@ -50,6 +52,8 @@ PIP=("$VENV/bin/python" -m pip)
 
 log "installing vllm==$VERSION (with the torch it pins) into $VENV"
 "${PIP[@]}" install -q "vllm==$VERSION"
+log "installing NIXL (UCX, without a CUDA torch: scripts/install_nixl.sh) for the disagg family"
+bash "$REPO/scripts/install_nixl.sh" "$VENV"
 log "installing the project (editable, test extras) from $REPO"
 "${PIP[@]}" install -q -e "$REPO[test]"
 "${PIP[@]}" check

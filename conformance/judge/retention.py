@@ -15,10 +15,11 @@ only where a step ends (vLLM's Mamba "align" mode): ``prompt_ends = "tail"``
 puts the prompt's checkpoint at its *tail*, the last multiple t of
 ``hash_unit`` before the last prompt token, and at the block boundary at or
 before t (where the chunk before the tail ends; under ``"chunk-ends"``, only
-where a step ends on it or exports it); ``prompt_ends = "floor"`` is the
-same with the last multiple of ``hash_unit`` at or before the prompt's end
-(vLLM 0.30 and 0.31 register the prompt's state there, 0.32 on one token
-earlier: see conformance/adapters/vllm/compat.py); ``junctions = J`` adds
+where a step ends on it or exports it); ``prompt_ends = "floor"`` keeps that
+block boundary but puts the tail at the last multiple of ``hash_unit`` at or
+before the prompt's end, and only where that ends inside a block (vLLM 0.30
+and 0.31; 0.32 on registers the tail one token earlier: see
+conformance/adapters/vllm/compat.py); ``junctions = J`` adds
 Marconi's shared-prefix junction: a new request whose prompt the cached KV
 covers further than the hit it starts from has a checkpoint where that KV
 coverage ends, rounded down to a multiple of J; and ``interval_at =
@@ -142,12 +143,15 @@ class RetentionChecker(Checker):
         step = self.B if interval is None else interval
         published = {end} | set(exported)
         if self.decl["prompt_ends"] in ("tail", "floor"):
-            last = prompt_len - 1 if self.decl["prompt_ends"] == "tail" else prompt_len
-            tail = last // self.decl["hash_unit"] * self.decl["hash_unit"]
+            h = self.decl["hash_unit"]
             # the block boundary before the tail: where the chunk before the
             # tail ends, unless the tail is exported from inside one chunk
-            floor = tail // self.B * self.B
-            ends = {tail} | ({floor} if self.decl["interval_at"] != "chunk-ends" or floor in published else set())
+            floor = (prompt_len - 1) // h * h // self.B * self.B
+            if self.decl["prompt_ends"] == "tail":
+                tails = {(prompt_len - 1) // h * h}
+            else:  # the prompt's end floored to h, where it ends inside a block
+                tails = {prompt_len // h * h} - {q for q in (prompt_len // h * h,) if q % self.B == 0}
+            ends = tails | ({floor} if self.decl["interval_at"] != "chunk-ends" or floor in published else set())
         else:
             ends = {prompt_len} if self.decl["prompt_ends"] else set()
         out = {q for q in ends if start < q <= end}
@@ -175,11 +179,11 @@ class RetentionChecker(Checker):
             self._check_lookups(obs, plan, view_before)
         offered: list[tuple[str, int, tuple[int, ...]]] = []
         self.step_no += 1
-        for rs in plan.requests:
+        for i, rs in enumerate(plan.requests):
             track = obs.tracks[rs.request_id]
             qs = self.checkpoints(rs.start, rs.end, track.prompt_len, frozenset(q for q, _ in rs.snapshots))
             if self.decl["junctions"]:
-                qs += self._junction(obs, view_before, track, rs)
+                qs += self._junction(obs, view_before, track, rs, plan.requests[i + 1:])
             if self.decl["admission"] == "second-hit":
                 qs += self._sighted(track.tokens, rs.start, rs.end)
             if rs.request_id in finished and self.decl["sequence_ends"]:
@@ -240,17 +244,23 @@ class RetentionChecker(Checker):
                                f"{len(wanted)} admitted checkpoints and held {held}, with {room} state slots not "
                                f"held by running requests)")
 
-    def _junction(self, obs, view_before, track, rs) -> list[int]:
+    def _junction(self, obs, view_before, track, rs, later=()) -> list[int]:
         """The request's junction: where the KV that other requests had cached
         when it was first scheduled (``plan_view``: an engine may register a
-        request's blocks as it schedules them, so a request arriving in the
-        same step counts) stops covering its prompt, rounded down to the
-        junction unit; a checkpoint when a step reaches it past the hit."""
+        request's blocks as it schedules them, so a request scheduled before
+        it in the same step counts; one scheduled after it, ``later`` in the
+        plan, does not: nothing could have seen its KV yet, and vLLM 0.30/0.31
+        schedule two cold copies of one prefix in one step) stops covering its
+        prompt, rounded down to the junction unit; a checkpoint when a step
+        reaches it past the hit."""
         rid = rs.request_id
         if track.steps == 1:
-            # its own blocks: those past the hit that no one had cached before
+            # its own blocks: those past the hit that no one had cached before,
+            # and those of requests scheduled after it in this step
             before = {e.block for e in view_before.cached_kv} if view_before is not None else set()
             own = set(rs.block_table[rs.start // self.B:]) - before
+            for other in later:
+                own |= set(other.block_table[other.start // self.B:]) - before
             others = CacheView(cached_kv=tuple(e for e in obs.plan_view.cached_kv if e.block not in own))
             covered = ViewIndex.of(others, self.B).kv_servable(track.tokens[: track.prompt_len])
             unit = self.decl["junctions"]

@@ -147,12 +147,18 @@ def prompt_checkpoint_rule() -> str:
       resend", v1/kv_cache_interface.py:1110-1122), and the scheduler's
       ``_mamba_block_aligned_split`` stops a chunk there (sched/scheduler.py:517-523).
     - 0.30.0 and 0.31.0: ``"floor"``, the last hash boundary at or before the
-      prompt's end: ``_cache_partial_tail_block`` computes
-      ``num_prompt_tokens // hash_block_size * hash_block_size`` itself
-      (single_type_kv_cache_manager.py:2100-2102 in 0.31.0, :2080-2082 in 0.30.0),
-      and so does the scheduler's tail stop (v1/core/sched/scheduler.py:483-487 in
-      0.31.0, :482-486 in 0.30.0).  With a match unit of 1 that is the whole prompt, which an
-      identical resend can never hit (a request computes at least one token).
+      prompt's end, where that ends inside a block: ``_cache_partial_tail_block``
+      computes ``num_prompt_tokens // hash_block_size * hash_block_size`` itself
+      (single_type_kv_cache_manager.py:2100-2102 in 0.31.0, :2080-2082 in 0.30.0)
+      and declines a block-aligned end (:2096-2097 in 0.31.0); the scheduler's
+      tail stop agrees (v1/core/sched/scheduler.py:483-487 in 0.31.0, :482-486 in
+      0.30.0).  The full-block path keeps, under retention 0, the block of the
+      replay boundary ``num_prompt_tokens - 1`` (``get_replay_boundaries``,
+      v1/core/kv_cache_coordinator.py:333-334 in 0.31.0; ``reachable_block_mask``,
+      single_type_kv_cache_manager.py:1614-1621), the same block boundary as
+      under "tail".  With a match unit of 1 the tail is the whole prompt, which
+      an identical resend can never hit (a request computes at least one
+      token), and a prompt ending on a block boundary keeps no tail at all.
       (0.31.0's ``get_mamba_prefill_checkpoint_position`` already floors
       ``num_tokens - 1``, kv_cache_interface.py:1122-1131, but only the
       checkpoint-block path calls it.)"""

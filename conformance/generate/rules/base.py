@@ -16,7 +16,7 @@ from conformance.contract import ImplConfig
 from conformance.errors import ConformanceFailure, ImplementationError
 from conformance.generate import strategies
 from conformance.generate.configured import Conf, configured_rule
-from conformance.generate.probe import pool_probe
+from conformance.generate.probe_sizing import pool_probe
 from conformance.generate.recorder import Recorder
 from conformance.generate.spec import CheckSpec, mixed
 from conformance.harness.ops import HoldTransfers, Op, op_to_dict
@@ -55,7 +55,7 @@ class MachineBase(RuleBasedStateMachine):
         self.recorder = recorder or Recorder()
         # Called with each new session: more checkers (metrics), environment faults.
         self.attach = attach
-        # The pool probe after each example (generate/probe.py): black-box leak detection.
+        # The pool probe after each example (generate/probe_sizing.py): black-box leak detection.
         self.probe = probe
         self.failed = False
         self.B = self.impl_config.block_size
@@ -73,7 +73,7 @@ class MachineBase(RuleBasedStateMachine):
     def start(self, bases):
         self.bases = bases
         self.session = make_session(self.impl_factory, self.impl_config, self.model, self.oracle,
-                                    standard_checkers(self.spec.observe), timeout=self.timeout)
+                                    standard_checkers(self.spec.observers), timeout=self.timeout)
         if self.attach is not None:
             self.attach(self.session)
         if self.enabled("transfers"):  # the wire's timing becomes the generator's (Transfers below)
@@ -127,7 +127,10 @@ class MachineBase(RuleBasedStateMachine):
         if len(active) >= self.spec.max_active or length + max_new > self.max_len:
             return False
         need = sum(-(-(t.prompt_len + t.max_new) // B) + 1 for t in active) + -(-(length + max_new) // B) + 1
-        return need <= cfg.num_kv_blocks and 2 * (len(active) + 1) <= cfg.num_state_slots
+        # speculative decoding: a state slot per draft a request may verify, besides its two
+        declared = self.session.speculator.declared
+        slots = 2 + (declared.max_drafts if declared is not None else 0)
+        return need <= cfg.num_kv_blocks and slots * (len(active) + 1) <= cfg.num_state_slots
 
     def new_id(self) -> str:
         self.next_id += 1

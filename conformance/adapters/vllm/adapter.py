@@ -170,11 +170,11 @@ class VllmCache:
             self._close(self._pending)
         # The harness budget is the scheduler's token budget for this step.
         # vLLM reads it at the top of schedule() and for align-mode chunk cuts.
-        # With speculative decoding vLLM refuses a max_num_batched_tokens at or
-        # below num_lookahead_tokens at start-up (config/vllm.py
-        # _set_max_num_scheduled_tokens): no step of a configuration it runs has
-        # a smaller budget (EAGLE / MTP: k + 1; ngram: 1, .speculative).
-        self.scheduler.max_num_scheduled_tokens = max(self.vllm_config.num_lookahead_tokens + 1, int(budget))
+        # With speculative decoding vLLM refuses a small max_num_batched_tokens at
+        # start-up (config/vllm.py _set_max_num_scheduled_tokens): no step of a
+        # configuration it runs has a smaller budget (0.33.0: EAGLE / MTP k + 1,
+        # ngram 1; 0.30.0-0.32.0: 1 for all three, .compat.smallest_batched_tokens).
+        self.scheduler.max_num_scheduled_tokens = max(compat.smallest_batched_tokens(self.vllm_config), int(budget))
         so = self.scheduler.schedule()
         self.stats["steps"] += 1
         self.stats["copies"] += len(so.kv_cache_block_copies or ())

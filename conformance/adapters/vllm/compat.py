@@ -197,6 +197,21 @@ def resolve_engine_fields(vllm_config, kv_cache_config) -> None:
     vllm_config.cache_config.cache_hit_alignment_tokens = alignment
 
 
+def cache_hit_alignment_tokens(scheduler) -> int:
+    """The token grain a prefix-cache hit lands on, for this scheduler.
+
+    0.32.0 on: what the engine core resolved onto the cache config
+    (:func:`resolve_engine_fields`).  0.30.0 and 0.31.0: the hybrid
+    coordinator's private ``_cache_hit_alignment_tokens`` property
+    (v1/core/kv_cache_coordinator.py: 0.30.0 :725-733, 0.31.0 :727-735), the
+    same rule: the hash block size where partial hash hits are on, else the
+    scheduler's block size."""
+    if resolves_cache_hit_alignment():
+        cache = scheduler.vllm_config.cache_config
+        return cache.cache_hit_alignment_tokens or cache.block_size
+    return scheduler.kv_cache_manager.coordinator._cache_hit_alignment_tokens
+
+
 def startup_check():
     """vLLM's start-up check that the KV cache holds one request of
     ``max_model_len``: ``check_enough_kv_cache_memory(vllm_config, specs,
@@ -301,6 +316,24 @@ def has_lookahead_block_hashes() -> bool:
 def hash_lookahead_tokens(vllm_config) -> int:
     """``VllmConfig.num_hash_lookahead_tokens`` (0.33.0; 0 before, where there is none)."""
     return vllm_config.num_hash_lookahead_tokens if has_lookahead_block_hashes() else 0
+
+
+def smallest_batched_tokens(vllm_config) -> int:
+    """The smallest ``max_num_batched_tokens`` vLLM's start-up accepts for
+    this configuration (``VllmConfig._set_max_num_scheduled_tokens``): 1
+    without speculative decoding.  0.33.0 refuses one at or below
+    ``num_lookahead_tokens`` (config/vllm.py:2371: k for EAGLE and MTP, 0 for
+    ngram).  0.30.0-0.32.0 refuse one at or below the drafting's *additional*
+    slots, ``SpeculativeConfig.max_num_new_slots_for_drafting`` (config/vllm.py:
+    0.30.0 :2144, 0.31.0 :2381, 0.32.0 :2285), which is 0 for EAGLE, MTP and
+    ngram alike (config/speculative.py: 0.30.0 :1853-1874): there a budget of 1
+    starts EAGLE with k drafts."""
+    sc = vllm_config.speculative_config
+    if sc is None:
+        return 1
+    if since("0.33.0"):
+        return vllm_config.num_lookahead_tokens + 1
+    return sc.max_num_new_slots_for_drafting + 1
 
 
 def drops_eagle_block(vllm_config) -> bool:

@@ -146,8 +146,9 @@ def declaration(scheduler, vllm_config) -> Speculation | None:
     if not k:
         return None
     if scheduler.use_eagle_block_drop:
-        cache = vllm_config.cache_config
-        drop = min(cache.cache_hit_alignment_tokens or cache.block_size, cache.block_size)
+        # FullAttentionManager.find_longest_cache_hit: hit_length -= min(alignment_tokens,
+        # block_size), the same in 0.30.0-0.33.0; the alignment as this release resolves it
+        drop = min(compat.cache_hit_alignment_tokens(scheduler), vllm_config.cache_config.block_size)
     else:
         drop = compat.hash_lookahead_tokens(vllm_config)
     return Speculation(k, "per-position", drop)

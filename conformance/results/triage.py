@@ -131,8 +131,8 @@ def judge(result_dict: dict, doc: dict, table: DefectTable | None = None) -> Ver
         for met in c.get("known_defects") or []:
             defect = table.defects.get(met.get("defect"))
             if defect is not None:
-                known_group(defect).add(cid, met.get("repro"), met.get("message") or "", len(met.get("steps") or []),
-                                        int(met.get("count") or 1))
+                known_group(defect).add(cid, met.get("repro"), met.get("message") or "",
+                                        len(met.get("operations") or []), int(met.get("count") or 1))
         want = expected(entry_for(pins, c), check_facts(facts, c))
         failure = c.get("failure") or {}
         if c["status"] == "skipped":
@@ -145,7 +145,7 @@ def judge(result_dict: dict, doc: dict, table: DefectTable | None = None) -> Ver
             continue
         kind, message = failure.get("kind") or c["status"], failure.get("message") or ""
         match = table.classify(failure.get("kind"), message, _facts(result_dict, c))
-        steps = len(failure.get("steps") or []) or None
+        steps = len(failure.get("operations") or []) or None
         if match is not None and not match.regressed:
             if not any(m.get("defect") == match.defect.id for m in c.get("known_defects") or []):
                 known_group(match.defect).add(cid, failure.get("repro"), message, steps)

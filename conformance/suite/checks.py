@@ -11,7 +11,9 @@ from conformance.generate.spec import CheckSpec, mixed
 CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("mid-block-hits", "mid-block",
               "prompts cut from shared prefixes at k*B-1, k*B, k*B+1 and mid-block; hits that end inside a block",
-              frozenset({"continue"}), ("prefix_hits", "mid_block_hits")),
+              frozenset({"continue", "abort-copy"}),
+              ("prefix_hits", "mid_block_hits", "aborts_before_copied_block_complete",
+               "mid_block_chunks_after_mid_block_hit", "short_chunks_from_snapshot")),
     CheckSpec("multi-turn-replay", "multi-turn",
               "continuations that replay the previous prompt and output, then add a turn",
               frozenset({"continue", "step"}), ("multi_turn_hits", "decode_steps")),
@@ -29,7 +31,8 @@ CHECKS: tuple[CheckSpec, ...] = (
     # evicts comes back through loads (faults and tier mutants meet it here).
     CheckSpec("tier-reuse", "tier",
               "a small device pool spills to the second tier; later requests load back what was evicted",
-              frozenset({"pressure", "continue", "step"}), ("tier_loads", "tier_hits"),
+              frozenset({"pressure", "continue", "step", "tier-tail"}),
+              ("tier_loads", "tier_hits", "tier_hits_over_local"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True),
     # The declared retention policy (default here: interval 8 and second-hit
     # together; --option overrides).  Reusing less than promised is a
@@ -60,17 +63,20 @@ CHECKS: tuple[CheckSpec, ...] = (
     # stay 39 tokens long (max_seq_blocks bounds them, not the pool).
     CheckSpec("pressure-while-running", "eviction",
               "distinct long prompts arrive while others are mid-prefill and mid-decode; running requests abort",
-              frozenset({"live-pressure", "live-abort", "step", "continue"}),
-              ("evictions_while_running", "aborts_mid_prefill", "aborts_mid_decode", "prefix_hits"),
+              frozenset({"live-pressure", "live-abort", "step", "continue", "evict-running"}),
+              ("evictions_while_running", "aborts_mid_prefill", "aborts_mid_decode", "prefix_hits",
+               "cached_overwritten_while_running", "evictions_past_running_entry"),
               num_kv_blocks=20, num_state_slots=10, max_seq_blocks=10, max_new_tokens=8),
     CheckSpec("hard-prefixes", "mid-block",
               "one cold prefix many times in one step; A->B->A; prompts diverging at every offset inside a block",
               frozenset({"burst", "aba", "diverge", "step"}),
-              ("same_step_cold_prefills", "aba_rerequests", "in_block_divergences", "tail_divergences"),
+              ("same_step_cold_prefills", "aba_rerequests", "in_block_divergences", "tail_divergences",
+               "aba_displaced", "divergences_inside_held_block"),
               num_kv_blocks=32, num_state_slots=12, max_seq_blocks=8, observe=("expected-hit",)),
     CheckSpec("kv-scarce", "eviction",
               "KV blocks scarcer than state slots: cached KV evicted under running requests",
-              frozenset({"live-pressure", "burst", "step", "continue"}), ("evictions_while_running", "prefix_hits"),
+              frozenset({"live-pressure", "burst", "step", "continue", "kv-first"}),
+              ("evictions_while_running", "prefix_hits", "cached_overwritten_while_running", "state_outlives_kv"),
               num_kv_blocks=14, num_state_slots=24, max_prompt_blocks=3, max_seq_blocks=6, max_active=2),
     # 24 KV blocks, four times the state slots: where one pool holds KV and
     # states (vLLM) slot pressure is pool pressure, and a pool of 64 never
@@ -109,20 +115,23 @@ CHECKS: tuple[CheckSpec, ...] = (
 )
 
 MIXED = mixed()
+# Every check in a fixed order: a check's index here seeds it (conformance.suite.seeds),
+# and every profile lists a prefix of it, so that index is its position in the whole profile.
+CATALOGUE: tuple[CheckSpec, ...] = CHECKS + (MIXED,)
 
 
 @dataclass(frozen=True)
 class Profile:
     name: str
-    examples: int
-    steps: int
-    checks: tuple[CheckSpec, ...]
+    examples: int  # Hypothesis examples per check
+    hypothesis_steps: int  # Hypothesis steps (rule calls) per example; a rule applies one or more operations
+    checks: tuple[CheckSpec, ...]  # a prefix of CATALOGUE, so that a check's seed is its index there
 
 
 PROFILES = {
-    "quick": Profile("quick", examples=25, steps=12, checks=CHECKS),
-    "standard": Profile("standard", examples=60, steps=20, checks=CHECKS + (MIXED,)),
-    "nightly": Profile("nightly", examples=400, steps=40, checks=CHECKS + (MIXED,)),
+    "quick": Profile("quick", examples=25, hypothesis_steps=12, checks=CHECKS),
+    "standard": Profile("standard", examples=60, hypothesis_steps=20, checks=CATALOGUE),
+    "nightly": Profile("nightly", examples=400, hypothesis_steps=40, checks=CATALOGUE),
 }
 
 
@@ -134,19 +143,7 @@ def get_check(check_id: str) -> CheckSpec:
     base, options = parse_variant_id(check_id)
     if options:
         return variant(get_check(base), options)
-    for spec in CHECKS + (MIXED,):
+    for spec in CATALOGUE:
         if spec.id == check_id:
             return spec
-    raise KeyError(f"unknown check {check_id!r}; known: {', '.join(s.id for s in CHECKS + (MIXED,))}")
-
-
-def seed_index(profile: Profile, check_id: str, fallback: int) -> int:
-    """The index that seeds a check: its position in the whole profile (a
-    variant's is its check's), so that ``--check``, a shard, a worker and the
-    pytest plugin draw exactly the examples of the full run.  A check the
-    profile does not hold (``mixed`` under quick) is seeded after it: ``fallback``."""
-    from conformance.suite.config_matrix import parse_variant_id
-
-    ids = [s.id for s in profile.checks]
-    base = parse_variant_id(check_id)[0]
-    return ids.index(base) if base in ids else len(ids) + fallback
+    raise KeyError(f"unknown check {check_id!r}; known: {', '.join(s.id for s in CATALOGUE)}")

@@ -73,10 +73,10 @@ def load_for_run(path: str | Path, engine_ids: set[str] | None = None) -> Expect
 
 
 def expectations_for(impl: str, version: str, explicit: str | Path | None = None,
-                     engine_ids: set[str] | None = None) -> Expectations | None:
+                     engine_ids: set[str] | None = None, build: str = "") -> Expectations | None:
     """The file a run is judged by: the one given, else the one written for
-    this adapter and engine version (fixtures/expectations/), if any."""
-    path = explicit or find_expectations(impl, version)
+    this adapter, engine version and build (fixtures/expectations/), if any."""
+    path = explicit or find_expectations(impl, version, build=build)
     return load_for_run(path, engine_ids) if path else None
 
 
@@ -156,7 +156,7 @@ def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeo
     from conformance.suite.replay import prepare_factory
 
     facts = implementation_facts(factory, repro.impl_config)
-    record = {"defect": defect.id, "repro": str(defect.repro), "operations": len(repro.steps)}
+    record = {"defect": defect.id, "repro": str(defect.repro), "operations": len(repro.operations)}
     try:
         prepare_factory(factory, repro)  # the configurations its options need, outside every call's timeout
     except ReproFormatError as bad:
@@ -165,7 +165,7 @@ def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeo
         # A timeout is retried once with four times the time: on a loaded machine building an engine can
         # take longer than a call should, and a pinned repro must not read "changed" for that.
         try:
-            exc, _session = replay_fails(factory, repro.impl_config, model, oracle, repro.steps, None,
+            exc, _session = replay_fails(factory, repro.impl_config, model, oracle, repro.operations, None,
                                          timeout=attempt_timeout, families=observers_of(repro.check))
         except (ConformanceFailure, ImplementationError) as raised:  # the implementation could not even be built
             exc = raised
@@ -205,11 +205,11 @@ def minimize_known(met, factory, impl_config, model, oracle, observe, known: Cla
     return [op_to_dict(op) for op in best], str(exc), session.history.tail()
 
 
-def known_entry(met, steps: list[dict], message: str, events: list[dict]) -> dict:
+def known_entry(met, operations: list[dict], message: str, events: list[dict]) -> dict:
     d = met.defect
     return {"defect": d.id, "title": d.title, "category": d.category, "count": met.count,
             "first_example": met.example, "seconds_to_first": met.seconds, "kind": met.kind,
-            "message": message, "steps": steps, "events": events[-12:], "repro": None}
+            "message": message, "operations": operations, "events": events[-12:], "repro": None}
 
 
 def as_dict(expectations: Expectations | None) -> dict | None:

@@ -121,3 +121,56 @@ def test_tier_reuse_turns_the_tier_on_and_skips_an_implementation_without_one(tm
     finally:
         del sys.modules["hcc_no_tier"]
     assert skipped.status == "skipped" and "no second tier" in skipped.reason
+
+
+# -- a fault on an offload breaks the load that reads its copy back --------------------------
+class _OnOffloads:
+    """The fault, firing only on the offload of the state after 8 tokens: that
+    copy is broken at rest, the wire back and every other copy are whole."""
+
+    def should_fire(self, transfer):
+        held = self.session.memory.state_holds(transfer.device)[1] if transfer.kind == "state" else None
+        return transfer.direction == "offload" and held is not None and len(held) == 8 \
+            and super().should_fire(transfer)
+
+
+class CorruptOffloads(_OnOffloads, FAULTS["transfer-corrupt"]):
+    pass
+
+
+class PartialOffloads(_OnOffloads, FAULTS["transfer-partial"]):
+    pass
+
+
+A = (38, 22, 61, 33, 3, 36, 37, 6, 54, 24, 30, 58, 28, 10, 9, 57, 56, 28, 10)
+JUNK = tuple(range(1, 32))  # distinct from A: it turns A's states over to the host tier
+
+
+@pytest.mark.parametrize("fault", [CorruptOffloads, PartialOffloads])
+def test_a_copy_broken_at_its_offload_is_not_expected_from_the_host_tier(fault):
+    """Issue 21 (a): under transfer-corrupt and transfer-partial the expected-hit
+    oracle held the reference to a host copy whose offload the fault had broken
+    (its provenance whole, its bytes not): the reference loaded it, found the
+    checksum wrong and recomputed, and was failed "reused 0 tokens, but a
+    correct cache could reuse 8 (host tier 8)".  No load of such a copy can
+    verify, so the request that read it is excused and the copy is held for no
+    one.  (Failed before the transport marked loads intact.)"""
+    from conformance.contract import ImplConfig
+    from conformance.harness.ops import Drain, Submit
+    from conformance.harness.oracle import Oracle
+    from conformance.judge import judged_session
+    from conformance.model import ModelConfig, TinyHybrid
+
+    model = TinyHybrid(ModelConfig())
+    config = ImplConfig(block_size=4, num_kv_blocks=32, num_state_slots=12, options=dict(TIER))
+    s = judged_session(ReferenceCache, config, model, Oracle(model), families=("expected-hit",))
+    f = fault(Trigger(probability=1.0), seed=0)
+    f.attach(s)
+    for op in (Submit("a", A, 2), Drain(9), Submit("junk", JUNK, 1), Drain(1024), Submit("a2", A, 1),
+               Submit("b", A[:12] + (61, 11, 7, 50, 28, 43, 19, 52, 14, 22, 4), 2), Drain(1)):
+        s.apply(op)
+    fired = [e for e in s.history.events if e["event"] == "fault"]
+    assert fired and all(e["transfer"]["direction"] == "offload" for e in fired), fired
+    loads = [e for e in s.history.events if e["event"] == "transfer-done" and "intact" in e]
+    assert loads and not all(e["intact"] for e in loads), loads  # b loaded the broken copy and recomputed
+    assert s.tracks["b"].done

@@ -33,9 +33,12 @@ class History:
         self.events.append({"event": "verdict", "request_id": rs.request_id, "start": rs.start, "end": rs.end,
                             "ok": verdict.ok, "max_rel_error": verdict.max_rel_error, "reads": reads})
 
-    def completed(self, done: TransferDone) -> None:
+    def completed(self, done: TransferDone, intact: bool | None = None) -> None:
+        """``intact`` (loads): whether the bytes that landed are the source
+        bytes of the entry (the harness knows; the implementation verifies)."""
         self.events.append({"event": "transfer-done", "id": done.id, "ok": done.ok,
-                            **({"error": done.error} if done.error else {})})
+                            **({"error": done.error} if done.error else {}),
+                            **({"intact": intact} if intact is not None else {})})
 
     def fault(self, name: str, transfer: Transfer | None, what: str) -> None:
         self.events.append({"event": "fault", "fault": name, "what": what,

@@ -319,7 +319,7 @@ class Session:
 
     def _record_transfers(self) -> None:
         for done in self.runner.completed:
-            self.history.completed(done)
+            self.history.completed(done, self.runner.transport.intact.pop(done.id, None))
 
     def _settle(self) -> CacheView:
         """Memory at rest: the view after it, handed to the checkers."""

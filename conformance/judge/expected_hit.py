@@ -32,17 +32,24 @@ that ends inside a block counts every token).  Two verdicts:
   (``invariant``), whatever the logits say.
 
 The coverage counter ``remote_expected`` counts the admissions whose
-expectation only the host tier could meet (remote longer than local).
+expectation only the host tier could meet (remote longer than local);
+``remote_excused`` those the host tier would have decided had a load of the
+request not come back broken (below): where environment faults break most
+transfers, the second is what a run under them can reach.
 
 The remote part is excused, not failed, where a correct implementation could
 not have reused it, and only there:
 
-- a load of the request came back failed, short or missing (a fault or a
-  ``Deliver``/``StoreEvict`` decision fired on it): a correct cache may give
-  a request one round of loads (so that a failing tier cannot starve it) and
-  recompute.  The host copy such a load read is not counted for any later
-  request either (a correct cache may stop trusting a copy that once came
-  back bad), but a later offload under the same key is a new copy, and held;
+- a load of the request came back failed, missing, or with bytes other
+  than the entry's source bytes (short, corrupted, another entry's; broken
+  on the wire, or a copy its offload broke: the transport marks each
+  completed load ``intact`` or not): a correct cache may give a request one
+  round of loads (so that a failing tier cannot starve it) and recompute.
+  The host copy such a load read is not counted for any later request
+  either (a correct cache may stop trusting a copy that once came back bad),
+  but a later offload under the same key is a new copy, and held.  A copy
+  whose offload broke it (``HostEntry.intact`` false) is held for no one:
+  no load of it can verify.  A load that only completes late is not broken;
 - the device had no room to bring it in at one of the request's schedules
   (:meth:`ExpectedHit._room`): destinations for the blocks and the state the
   device lacks, plus a block and a slot for the request itself, out of the
@@ -74,6 +81,8 @@ class StoreIndex:
         self.kv: set[Prefix] = set()  # prefixes whose last full block an entry holds
         self.states: set[Prefix] = set()
         for key, entry in store.entries.items():
+            if not getattr(entry, "intact", True):  # its bytes broke on the way in: no load of it verifies
+                continue
             if distrusted and distrusted.get(key) is entry:  # the very copy a broken load read
                 continue
             prov = entry.payload.prov
@@ -189,16 +198,18 @@ class ExpectedHit(Checker):
         return free_kv >= to_load_kv + 1 and free_state >= to_load_state + 1
 
     def _note_broken_loads(self, session) -> None:
-        """Requests whose loads a fault or a decision broke (from the history),
-        and the host copies those loads read."""
+        """Requests whose loads came back broken (from the history: a load
+        that failed, or whose bytes are not the entry's source bytes, whether
+        the wire broke them, the store answered with other bytes or the copy
+        itself broke at its offload), and the host copies those loads read.
+        By what landed, not by which fault fired: a fault on an offload breaks
+        the load that reads its copy back, and a late completion
+        (``transfer-reorder``, a delayed ``Deliver``) breaks nothing."""
         events = session.history.events
         store = session.runner.transport.store
         for ev in events[self.seen_events:]:
-            broken: tuple[str | None, str | None] | None = None
-            if ev.get("event") == "fault" and ev.get("transfer", {}).get("direction") == "load":
-                if not ev.get("what", "").startswith("decided: ok"):
-                    broken = ev["transfer"].get("request_id"), ev["transfer"].get("key")
-            elif ev.get("event") == "transfer-done" and not ev.get("ok"):
+            broken: tuple[str, str] | None = None
+            if ev.get("event") == "transfer-done" and (not ev.get("ok") or ev.get("intact") is False):
                 broken = self._owner(session, ev["id"])
             if broken is not None:
                 rid, key = broken
@@ -253,6 +264,10 @@ class ExpectedHit(Checker):
         for rid, (_kv, local) in floors.items():
             rs = next(r for r in record.plan.requests if r.request_id == rid)
             remote = self.remote_floor.pop(rid, 0)
+            if rid in self.excused and remote > local:
+                # the host tier would have decided it, but a load broke: the
+                # situation an environment fault is about (coverage under faults)
+                session.coverage["remote_excused"] = session.coverage.get("remote_excused", 0) + 1
             if rid in self.excused or remote < 0:
                 remote = 0
             expected = max(local, remote)

@@ -175,6 +175,9 @@ class Session:
         changes, only provenance): it ends the session.
         A KV block or state slot held by nothing (leaked) makes that
         impossible: an ``invariant`` failure whose message starts "lifetime:".
+        One that a transfer holds (of the probe's step: an offload the cache
+        queued at idle; or still in flight) is held, not leaked: it is
+        counted, and named in the message.
         The concurrent part is inconclusive when a probe request reuses a
         cached prefix (a hit may pin what it reuses)."""
         self._drain(1024)
@@ -195,11 +198,22 @@ class Session:
                 # Inconclusive when a probe request reuses a cached prefix or waits
                 # for a load: a correct cache may then pin more, or admit later.
                 reused = any(rs.start > 0 for rs in ran) or any(t.direction == "load" for t in plan.transfers)
-                if len(ran) < op.expect and not reused:
+                # A transfer of that step, or one still in flight, holds its block or
+                # slot until it completes (an offload the cache queued at idle): each
+                # may keep one request out, and is no leak.
+                moving = sorted({(t.kind, t.device, t.direction)
+                                 for t in (*plan.transfers, *self.runner.transport.deferred)})
+                if len(ran) + len(moving) < op.expect and not reused:
+                    held = ""
+                    if moving:
+                        what = ", ".join(f"{'KV block' if k == 'kv' else 'state slot'} {d} ({direction})"
+                                         for k, d, direction in moving[:4]) + (" ..." if len(moving) > 4 else "")
+                        held = (f"; transfers of that step or in flight held {len(moving)} ({what}), and "
+                                f"{op.expect - len(ran) - len(moving)} more")
                     raise ConformanceFailure("invariant", f"lifetime: at idle, {len(ran)} of {len(ids)} "
                                                           f"{SHORT_LEN}-token requests submitted together were "
                                                           f"scheduled in one step; a fresh instance schedules "
-                                                          f"{op.expect}: {leaked}")
+                                                          f"{op.expect}{held}: {leaked}")
                 self._probe_drain(f"{len(ids)} {SHORT_LEN}-token requests", leaked)
             if op.kv_tokens:
                 self._submit(Submit(f"probe{self._probes}-kv", long, 1))

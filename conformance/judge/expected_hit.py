@@ -231,7 +231,7 @@ class ExpectedHit(Checker):
 
     # -- phases ---------------------------------------------------------------------------
     def scheduled(self, session, plan, view) -> None:
-        if self.decl is None:
+        if self.decl is None or session.probing:  # held to no reuse (judge/retention.py, FAMILIES)
             return
         if not plan.requests:  # no step follows: the local window sees this schedule here
             self.window.look(session, session.last_view, view)
@@ -257,7 +257,7 @@ class ExpectedHit(Checker):
                                                   f"memory held for it: {executed.reads}")
 
     def stepped(self, session, record) -> None:
-        if self.decl is None:
+        if self.decl is None or session.probing:
             return
         self._note_broken_loads(session)
         floors = self.window.observe(session, record.plan, record.view_before)

@@ -69,6 +69,8 @@ class HardHistoryCoverage(Checker):
             session.coverage.setdefault(key, 0)
 
     def submitted(self, session, request):
+        if session.probing:  # the pool probe's requests are the harness's, not the check's situations
+            return
         cov, B, prompt = session.coverage, session.layout.block_size, request.prompt
         evicted = cov.get("evictions", 0)
         if prompt in self.asked and evicted > self.asked[prompt]:
@@ -109,6 +111,8 @@ class HardHistoryCoverage(Checker):
         return local % B != 0 and longest_held(prompt, here, StoreIndex(store, B), B, B) > local
 
     def scheduled(self, session, plan, view):
+        if session.probing:
+            return
         B = session.layout.block_size
         cold: dict[tuple[int, ...], int] = {}
         touched = {slot for rs in plan.requests for slot in (rs.state_slot, rs.state_init.source,

@@ -54,6 +54,15 @@ from conformance.judge.reuse import INDEXES, LookupWindow, ViewIndex
 
 FAMILIES = ("retention", "hit-rate")
 
+# The pool probe's requests (``session.probing``) are held to no declared
+# policy, as they are counted in no coverage and no metric: they are the
+# harness's instrument, not the check's workload.  Its steps are dry (nothing
+# computed), its long request is sized to the whole KV pool (beyond the
+# generator's budget, for which these rules' room is reasoned), and it runs
+# after a sample of the examples, so a policy verdict there would depend on
+# the sample.  What is certain on any cache still judges them: the contract,
+# the memory invariants and the probe's own lifetime verdict.
+
 
 def declared_retention(session) -> dict | None:
     """The implementation's declared policy, validated; None if it declares none."""
@@ -172,7 +181,7 @@ class RetentionChecker(Checker):
         self.load(session)
 
     def stepped(self, session, record) -> None:
-        if self.decl is None:
+        if self.decl is None or session.probing:  # the pool probe's requests: see FAMILIES
             return
         plan, view_before, finished = record.plan, record.view_before, record.finished
         now = INDEXES.get(session.last_view, self.B)

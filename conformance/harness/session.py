@@ -204,16 +204,16 @@ class Session:
                 moving = sorted({(t.kind, t.device, t.direction)
                                  for t in (*plan.transfers, *self.runner.transport.deferred)})
                 if len(ran) + len(moving) < op.expect and not reused:
-                    held = ""
+                    holders = ""
                     if moving:
                         what = ", ".join(f"{'KV block' if k == 'kv' else 'state slot'} {d} ({direction})"
                                          for k, d, direction in moving[:4]) + (" ..." if len(moving) > 4 else "")
-                        held = (f"; transfers of that step or in flight held {len(moving)} ({what}), and "
-                                f"{op.expect - len(ran) - len(moving)} more")
+                        holders = (f"; transfers of that step or in flight held {len(moving)} ({what}), and "
+                                   f"{op.expect - len(ran) - len(moving)} more")
                     raise ConformanceFailure("invariant", f"lifetime: at idle, {len(ran)} of {len(ids)} "
                                                           f"{SHORT_LEN}-token requests submitted together were "
                                                           f"scheduled in one step; a fresh instance schedules "
-                                                          f"{op.expect}{held}: {leaked}")
+                                                          f"{op.expect}{holders}: {leaked}")
                 self._probe_drain(f"{len(ids)} {SHORT_LEN}-token requests", leaked)
             if op.kv_tokens:
                 self._submit(Submit(f"probe{self._probes}-kv", long, 1))

@@ -28,6 +28,7 @@ from conformance.contract import (
 )
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker, CheckerSet, StepRecord
+from conformance.harness.conflicts import plan_conflicts
 from conformance.harness.guard import guarded
 from conformance.harness.history import History
 from conformance.harness.memory import Memory
@@ -342,7 +343,11 @@ class Session:
         return view
 
     def _validate(self, plan: StepPlan) -> None:
+        seen: set[str] = set()
         for rs in plan.requests:
+            if rs.request_id in seen:
+                raise ConformanceFailure("contract", f"request {rs.request_id} scheduled twice in one step")
+            seen.add(rs.request_id)
             track = self.tracks.get(rs.request_id)
             if track is None or track.done:
                 raise ConformanceFailure("contract", f"scheduled {rs.request_id!r}, which is not active")
@@ -353,6 +358,11 @@ class Session:
             elif rs.start > track.computed:
                 raise ConformanceFailure("contract", f"{rs.request_id}: step starts at {rs.start}, but only "
                                                      f"{track.computed} tokens were computed")
+        problems = plan_conflicts(plan, self.layout.block_size, {rs.request_id: self.tracks[rs.request_id].tokens
+                                                                 for rs in plan.requests})
+        if problems:  # memory two requests of the step contend for (conformance/harness/conflicts.py)
+            more = f" (+{len(problems) - 2} more)" if len(problems) > 2 else ""
+            raise ConformanceFailure("contract", "; ".join(problems[:2]) + more)
 
     def call(self, method: str, *args):
         """Call the implementation, guarded: a raise or a hang becomes an ImplementationError."""

@@ -174,3 +174,32 @@ def test_a_copy_broken_at_its_offload_is_not_expected_from_the_host_tier(fault):
     loads = [e for e in s.history.events if e["event"] == "transfer-done" and "intact" in e]
     assert loads and not all(e["intact"] for e in loads), loads  # b loaded the broken copy and recomputed
     assert s.tracks["b"].done
+
+
+def test_under_faults_a_tier_decided_admission_whose_load_broke_is_the_situation():
+    """Issue 21 (a): under transfer-partial (p=0.5) every admission only the host
+    tier could serve had a load the fault broke, so the expected-hit oracle
+    excused each and tier-races failed its coverage ('remote_expected stayed
+    at 0'): a correct cache failed for the fault's doing.  Under faults the
+    situation is met, intact (judged) or broken (excused, the recovery judged
+    by logits), and the result says which.  (Failed before.)"""
+    result = run(RunOptions(impl="reference", checks=("tier-races",), faults=("transfer-partial",), seed=0,
+                            write_reports=False))
+    check = result.checks[0]
+    assert result.ok, [(c.id, c.failure and c.failure.message) for c in result.checks]
+    assert check.coverage.get("remote_excused", 0) > 0
+    if not check.coverage.get("remote_expected"):
+        assert any("remote_expected stayed at 0" in n for n in check.notes), check.notes
+
+
+def test_without_faults_a_broken_load_does_not_stand_for_an_intact_one():
+    from conformance.generate.machine import Recorder
+    from conformance.suite.checks import get_check
+    from conformance.suite.verdict import coverage_failure
+
+    rec = Recorder()
+    rec.coverage.update(tier_loads=3, loads_held=2, store_evicted_during_load=1, remote_expected=0, remote_excused=4)
+    spec = get_check("tier-races")
+    assert coverage_failure(spec, rec, faulted=False).message.startswith("the tier situation never occurred: "
+                                                                         "remote_expected stayed at 0")
+    assert coverage_failure(spec, rec, faulted=True) is None and rec.notes

@@ -143,7 +143,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
             and failure.steps:
         minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
     if status == "passed":
-        failure = coverage_failure(spec, recorder, why)
+        failure = coverage_failure(spec, recorder, why, faulted=env is not None)
         status = "failed" if failure is not None else status
     if failure is not None:
         failure.impl_config = asdict(impl_config)

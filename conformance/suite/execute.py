@@ -41,15 +41,34 @@ def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
                             num_state_slots=opts.num_state_slots, options={**spec.options, **tier, **opts.impl_options})
 
 
-def real_block_size(factory, impl_config, timeout: float | None):
+class _Hung(Exception):
+    """Asking the implementation before the check hung: the check reports it and calls it no more."""
+
+    def __init__(self, error: ImplementationError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _ask(what: str, fn, *args, timeout: float | None):
+    """A guarded call before the check; a hang ends the check (:class:`_Hung`)."""
+    try:
+        return guarded(what, fn, *args, timeout=timeout)
+    except ImplementationError as exc:
+        if exc.kind == "timeout":
+            raise _Hung(exc) from None
+        raise
+
+
+def real_block_size(factory, impl_config, timeout: float | None, impl=None):
     """The configuration with the block size the implementation really uses
     (``layout()``: an engine may raise the one asked for, as vLLM raises a
     hybrid model's attention block to hold a Mamba page), so that the
     generator draws prompt lengths and budgets around the real blocks.  The
-    same configuration when it keeps the block size asked for."""
+    same configuration when it keeps the block size asked for.  ``impl``: an
+    instance built with ``impl_config`` already (built here otherwise)."""
     try:
-        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
-        block_size = guarded("layout()", impl.layout, timeout=timeout).block_size
+        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
+        block_size = _ask("layout()", impl.layout, timeout=timeout).block_size
     except ImplementationError:
         return impl_config  # the check builds it again and reports the error, with context
     return impl_config if block_size == impl_config.block_size else replace(impl_config, block_size=block_size)
@@ -58,17 +77,17 @@ def real_block_size(factory, impl_config, timeout: float | None):
 _UNKNOWN = object()  # building the implementation failed: the check reports it itself
 
 
-def _declared_retention(factory, impl_config, timeout: float | None):
+def _declared_retention(factory, impl_config, timeout: float | None, impl=None):
     """The retention policy the implementation, built with this
     configuration, declares (an engine may declare one for some settings
     only): a dict, None when it declares none, ``_UNKNOWN`` when it could
-    not be asked."""
+    not be asked.  ``impl``: an instance built with ``impl_config`` already."""
     if isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
         return None
     try:
-        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
         retention = getattr(impl, "retention", None)
-        return guarded("retention()", retention, timeout=timeout) if callable(retention) else None
+        return _ask("retention()", retention, timeout=timeout) if callable(retention) else None
     except ImplementationError:
         return _UNKNOWN  # the check itself builds it again and reports the error, with context
 
@@ -101,10 +120,25 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
-    impl_config = real_block_size(factory, check_impl_config(spec, opts, tier_option), opts.timeout)
+    asked = check_impl_config(spec, opts, tier_option)
+    try:
+        # One instance answers both questions when it keeps the block size asked
+        # for (building an engine twice costs seconds); a hang ends the check here.
+        built = _ask("building the implementation", factory, asked, timeout=opts.timeout)
+    except _Hung as hung:
+        return _abandoned(spec, hung.error)
+    except ImplementationError:
+        built = None  # the check builds it again and reports the error, with context
     notes: list[str] = []
+    declared = None if built is not None else _UNKNOWN
+    try:
+        impl_config = real_block_size(factory, asked, opts.timeout, built) if built is not None else asked
+        if spec.observe and built is not None:
+            declared = _declared_retention(factory, impl_config, opts.timeout,
+                                           built if impl_config is asked else None)
+    except _Hung as hung:
+        return _abandoned(spec, hung.error)
     if spec.observe:
-        declared = _declared_retention(factory, impl_config, opts.timeout)
         note = retention_note(impl_config.options, declared)
         if note:
             notes.append(note)
@@ -139,8 +173,10 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     test = hypothesis_seed(opts.seed * 1000 + index)(test)
     started = time.perf_counter()
     status, failure = run_machine(test, recorder)
-    if failure is not None and failure.kind != "harness" and opts.shrink in ("ops", "hypothesis+ops") \
-            and failure.steps:
+    # A hang is not replayed: each replay would wait out the timeout again
+    # (the repro keeps the example's operations as they ran).
+    if failure is not None and failure.kind not in ("harness", "timeout") \
+            and opts.shrink in ("ops", "hypothesis+ops") and failure.steps:
         minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
     if status == "passed":
         failure = coverage_failure(spec, recorder, why, faulted=env is not None)
@@ -151,6 +187,12 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
                        options=parse_variant_id(spec.id)[1], examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
+
+
+def _abandoned(spec: CheckSpec, error: ImplementationError) -> CheckResult:
+    """The check's result when the implementation hung before its first example."""
+    return CheckResult(id=spec.id, family=spec.family, status="error", description=spec.description,
+                       options=parse_variant_id(spec.id)[1], failure=Failure(kind=error.kind, message=str(error)))
 
 
 def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, model, oracle, opts: RunOptions,

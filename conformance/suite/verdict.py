@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from conformance.errors import ConformanceFailure, ImplementationError, UsageError
+from conformance.errors import Abandoned, ConformanceFailure, ImplementationError, UsageError
 from conformance.generate.machine import Recorder, stable_draws
 from conformance.generate.spec import CheckSpec
 from conformance.results.records import Failure
@@ -19,7 +19,10 @@ def run_machine(test: Callable[[], None], recorder: Recorder) -> tuple[str, Fail
     A crash of the harness is an error naming it, never a pass."""
     try:
         with stable_draws():
-            test()
+            try:
+                test()
+            except Abandoned as abandoned:  # a hang: no example replayed, the implementation not called again
+                raise abandoned.error from None
     except (ConformanceFailure, ImplementationError) as exc:
         status = "error" if isinstance(exc, ImplementationError) else "failed"
         steps, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])

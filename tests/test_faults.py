@@ -203,3 +203,16 @@ def test_without_faults_a_broken_load_does_not_stand_for_an_intact_one():
     assert coverage_failure(spec, rec, faulted=False).message.startswith("the tier situation never occurred: "
                                                                          "remote_expected stayed at 0")
     assert coverage_failure(spec, rec, faulted=True) is None and rec.notes
+
+
+def test_under_faults_a_request_that_went_on_after_its_load_broke_stands_for_a_tier_hit():
+    """tier-reuse asks for tier_hits (a hit whose step read loaded bytes); under
+    transfer-partial every load the reference verifies comes back short and
+    is rejected, so tier_hits stayed at 0 (seed 1 at p=0.5, every seed at
+    p=1) and a correct cache failed coverage.  (Failed before.)"""
+    result = run(RunOptions(impl="reference", checks=("tier-reuse",), faults=("transfer-partial:p=1",), seed=0,
+                            examples=10, steps=10, write_reports=False))
+    assert result.ok, [(c.id, c.failure and c.failure.message) for c in result.checks]
+    check = result.checks[0]
+    assert check.coverage["tier_hits"] == 0 and check.coverage["tier_recoveries"] > 0, check.coverage
+    assert any("tier_hits stayed at 0" in n for n in check.notes), check.notes

@@ -12,7 +12,11 @@ Counters whose names promise an order or a cause count exactly that:
   step -- reuse that survived pressure, not a hit and an eviction anywhere;
 - ``tier_hits``: a prefix hit whose step read bytes a tier load landed (a
   KV block or the state slot of the hit, by the load's id in memory, copies
-  included) -- a hit served by the second tier, not any load and any hit.
+  included) -- a hit served by the second tier, not any load and any hit;
+- ``tier_recoveries``: the first step of a request a load of which came back
+  failed or with bytes other than its entry's (the transport says which):
+  the request went on after the tier failed it (the logits judged how).
+  What environment faults leave of ``tier_hits`` where they break most loads.
 """
 
 from __future__ import annotations
@@ -70,8 +74,11 @@ class CoverageCounter(Checker):
 
     def computed(self, session, executed):
         rs = executed.step
-        if not session.probing and session.tracks[rs.request_id].computed is None and rs.start > 0:
-            self._count(session, "tier_hits", bool(executed.loads_read))
+        if not session.probing and session.tracks[rs.request_id].computed is None:
+            if rs.start > 0:
+                self._count(session, "tier_hits", bool(executed.loads_read))
+            if rs.request_id in session.runner.transport.broken_for:  # (only there: most runs move nothing)
+                self._count(session, "tier_recoveries")
 
     def settled(self, session, view, idle):
         done = session.runner.transport.succeeded

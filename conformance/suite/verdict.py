@@ -46,6 +46,8 @@ BROKEN_BY_FAULTS = {
     # an admission only the host tier could serve (expected-hit oracle): judged,
     # or excused because a load of the request broke and it recomputed
     "remote_expected": "remote_excused",
+    # a prefix hit served by a tier load, or a request that went on after its load broke
+    "tier_hits": "tier_recoveries",
 }
 
 

@@ -44,7 +44,7 @@ def test_two_requests_on_one_state_slot_fail_at_schedule_time(model, oracle):
                                                  r"r?a \(running slot\) and r?b \(running slot\)") as exc:
         s.apply(Drain(1024))
     assert exc.value.kind == "contract"
-    assert not any(e["event"] == "verdict" for e in s.history.events)  # nothing ran
+    assert not any(e["event"] == "verdict" for e in s.history.as_data())  # nothing ran
 
 
 @pytest.mark.parametrize("plan,message", [

@@ -169,9 +169,9 @@ def test_a_copy_broken_at_its_offload_is_not_expected_from_the_host_tier(fault):
     for op in (Submit("a", A, 2), Drain(9), Submit("junk", JUNK, 1), Drain(1024), Submit("a2", A, 1),
                Submit("b", A[:12] + (61, 11, 7, 50, 28, 43, 19, 52, 14, 22, 4), 2), Drain(1)):
         s.apply(op)
-    fired = [e for e in s.history.events if e["event"] == "fault"]
+    fired = [e for e in s.history.as_data() if e["event"] == "fault"]
     assert fired and all(e["transfer"]["direction"] == "offload" for e in fired), fired
-    loads = [e for e in s.history.events if e["event"] == "transfer-done" and "intact" in e]
+    loads = [e for e in s.history.as_data() if e["event"] == "transfer-done" and "intact" in e]
     assert loads and not all(e["intact"] for e in loads), loads  # b loaded the broken copy and recomputed
     assert s.tracks["b"].done
 

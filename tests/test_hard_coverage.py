@@ -5,6 +5,7 @@ whatever the view says about slots the step itself uses."""
 from types import SimpleNamespace
 
 from conformance.contract import CachedState, CacheView, Layout, Request, RequestStep, StepPlan, copy_from
+from conformance.harness.checker import Scheduled, Submitted
 from conformance.harness.session import Track
 from conformance.judge.hard_coverage import HardHistoryCoverage
 
@@ -12,11 +13,11 @@ B = 4
 
 
 def fake_session(tracks: dict[str, Track]):
-    session = SimpleNamespace(layout=Layout(B, 16, 8), tracks=tracks, coverage={},
-                              runner=SimpleNamespace(transport=SimpleNamespace(deferred=False,
-                                                                               store=SimpleNamespace(entries={}))))
-    session.pending_loads = lambda: []
-    return session
+    """What a checker observes of a session (conformance.harness.observation)."""
+    obs = SimpleNamespace(layout=Layout(B, 16, 8), tracks=tracks, evicted=0, store=SimpleNamespace(entries={}),
+                          last_view=None)
+    obs.pending_loads = lambda: []
+    return obs
 
 
 def pressure_after(state_refcounts: dict[int, int]) -> int:
@@ -27,8 +28,8 @@ def pressure_after(state_refcounts: dict[int, int]) -> int:
     plan = StepPlan(requests=(RequestStep("r", 4, 9, (0, 1, 2), 3, copy_from(2)),))
     view = CacheView(state_refcounts=state_refcounts,
                      cached_states=(CachedState(2, tuple(range(4))), CachedState(4, (7,))))
-    counter.scheduled(session, plan, view)
-    return session.coverage["snapshot_hits_under_slot_pressure"]
+    counter.scheduled(session, Scheduled(plan, view))
+    return counter.coverage["snapshot_hits_under_slot_pressure"]
 
 
 def test_slot_pressure_counts_only_free_slots():
@@ -52,6 +53,6 @@ def test_a_tail_divergence_counts_whichever_sequence_comes_first():
         counter.attached(session)
         prompt = short[:9] + (60, 61)  # one token into the short sequence's partial tail
         tracks["new"] = Track(prompt, len(prompt), 1, None)
-        counter.submitted(session, Request("new", prompt))
-        assert session.coverage["in_block_divergences"] == 1
-        assert session.coverage["tail_divergences"] == 1, order
+        counter.submitted(session, Submitted(Request("new", prompt)))
+        assert counter.coverage["in_block_divergences"] == 1
+        assert counter.coverage["tail_divergences"] == 1, order

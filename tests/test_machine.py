@@ -46,7 +46,7 @@ def test_a_mutant_fails_through_the_machine(model, oracle):
 class Crashing(Checker):
     name = "crashing"
 
-    def computed(self, session, executed):
+    def computed(self, obs, executed):
         raise ZeroDivisionError("a checker bug")
 
 
@@ -65,7 +65,7 @@ BASES = (tuple(range(1, 25)), tuple(range(30, 54)), tuple(range(40, 64)))
 
 def started(spec_id, model, oracle, monkeypatch):
     """A machine whose rules are called by hand (outside Hypothesis: no notes)."""
-    monkeypatch.setattr("conformance.generate.machine.note", lambda text: None)
+    monkeypatch.setattr("conformance.generate.rules.base.note", lambda text: None)
     m = HybridCacheMachine(ReferenceCache, get_check(spec_id), model=model, oracle=oracle)
     m.start(BASES)
     return m

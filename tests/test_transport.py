@@ -7,7 +7,7 @@ import torch
 
 from conformance.contract import Layout, Transfer
 from conformance.errors import ContractError, TransferFailed
-from conformance.harness.history import History
+from conformance.harness.history import FaultFired, History
 from conformance.harness.memory import Memory
 from conformance.harness.transport import HostEntry, Transport, TransportHooks
 from conformance.model import ModelConfig
@@ -84,7 +84,7 @@ def test_every_seam_is_called_with_its_transfer_and_firings_are_history_events()
     assert [(d.id, d.ok) for d in done] == [(3, False), (2, False), (1, True)]  # order hook: reversed
     assert "host store full" in done[1].error and "on purpose" in done[0].error
     assert ("refuse_offload", 1) in hook.calls and ("in_flight", 3) in hook.calls
-    assert any(e["event"] == "fault" and e["transfer"]["id"] == 3 for e in tr.history.events)
+    assert any(isinstance(e, FaultFired) and e.transfer is not None and e.transfer.id == 3 for e in tr.history.events)
     # loads are held a step by the schedule seam, then run first on the next step
     assert tr.run((Transfer(4, "load", "kv", "k", 1),)) == [] and tr.busy()
     done = tr.run(())

@@ -20,6 +20,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.contract import ImplConfig  # noqa: E402
 from conformance.errors import ConformanceFailure  # noqa: E402
+from conformance.harness.history import Planned  # noqa: E402
 from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Step, StoreEvict, Submit  # noqa: E402
 from conformance.judge import judged_session  # noqa: E402
 
@@ -49,10 +50,10 @@ def _reload(s) -> None:
 
 def _first_start(s, rid: str) -> int | None:
     for ev in s.history.events:
-        if ev.get("event") == "plan":
-            for r in ev["requests"]:
-                if r["request_id"] == rid:
-                    return r["start"]
+        if isinstance(ev, Planned):
+            for r in ev.plan.requests:
+                if r.request_id == rid:
+                    return r.start
     return None
 
 

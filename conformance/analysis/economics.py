@@ -115,7 +115,7 @@ def summarize(workload: list[WorkloadRequest], session, metrics: CacheMetrics) -
         "kv_occupancy_peak": m["kv_occupancy_peak"],
         "state_occupancy_mean": m["state_occupancy_mean"],
         "state_occupancy_peak": m["state_occupancy_peak"],
-        "evictions": session.coverage.get("evictions", 0),
+        "evictions": session.evicted,
         "prompt_tokens": m["prompt_tokens"],
         "reference_runs": session.oracle.reference_runs,
     }

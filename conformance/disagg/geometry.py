@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conformance.disagg.contract import WorkerLayout
+from conformance.disagg.layout import WorkerLayout
 from conformance.model import ModelConfig
 
 PARTS = ("q", "k", "v")

@@ -1,45 +1,69 @@
 """The one checker protocol: every judgement of a session is a named checker.
 
-The session executes, records what happened in its history and hands each
-event to its checkers, in the order they were composed (Jepsen's composed
-checkers; TigerBeetle's one checker per concern).  A checker reads what the
-harness knows (memory, the oracle, the plan, the implementation's stated view)
-and raises :class:`~conformance.errors.ConformanceFailure` for what is wrong.
+The session executes, records what happened in its history and shows each
+moment of a session to its checkers, in the order they were composed
+(Jepsen's composed checkers; TigerBeetle's one checker per concern).  A
+checker folds over those events with a read-only
+:class:`~conformance.harness.observation.Observation` of the session (memory,
+layout, tracks, the record, the host store): it keeps its own state, counts
+its own coverage (``self.coverage``), says what it could not check
+(``self.notes``), and raises :class:`~conformance.errors.ConformanceFailure`
+for what is wrong.  It never writes into the session: the session collects
+what its checkers counted and noted (:meth:`CheckerSet.coverage`,
+:meth:`CheckerSet.notes`).
 
 A checker that crashes (any other exception) is a harness error, never a
 pass: :class:`CheckerSet` turns it into :class:`~conformance.errors.HarnessError`
 naming the checker and the phase.
 
-Phases, in the order a session meets them:
+Phases, in the order a session meets them, each with its event:
 
-- ``attached(session)``: once, when the checker joins a built session;
-- ``submitted(session, request)``: a request was added;
-- ``scheduled(session, plan, view)``: ``schedule()`` returned ``plan``; ``view``
-  is the implementation's view right after it; nothing ran yet;
-- ``computed(session, executed)``: one request's step ran (its logits are in
-  ``executed``); called before ``update()`` hears of it;
-- ``stepped(session, record)``: the step is over (``update()`` returned);
-- ``settled(session, view, idle)``: memory at rest after a step, a
-  transfer-only step or an abort; ``idle``: nothing active or in flight;
-- ``aborted(session, request_id)``.
+- ``attached(obs)``: once, when the checker joins a built session;
+- ``submitted(obs, Submitted)``: a request was added;
+- ``scheduled(obs, Scheduled)``: ``schedule()`` returned a plan; its view is
+  the implementation's view right after it (None: a stall, nothing changed);
+  nothing ran yet;
+- ``computed(obs, Executed)``: one request's step ran (its logits, what it
+  read and the oracle's verdict are in the event); before ``update()`` hears
+  of it;
+- ``stepped(obs, StepRecord)``: the step is over (``update()`` returned);
+- ``settled(obs, Settled)``: memory at rest after a step, a transfer-only
+  step or an abort; ``idle``: nothing active or in flight;
+- ``aborted(obs, Aborted)``.
 
-This module imports nothing of the judges (they import it): the harness
-stays below the checkers in the layering.
+Those moments carry what the record (:mod:`conformance.harness.history`) does
+not keep (views, logits); the record's own events are in ``obs.history``.
+
+This module imports nothing of the judges (they import it) nor of the
+session (which imports it): the harness stays below the checkers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conformance.contract import CacheView, Request, StepPlan, TransferDone
 from conformance.errors import ConformanceFailure, HarnessError, ImplementationError
+from conformance.harness.runner import Executed
 
-if TYPE_CHECKING:  # only for annotations: the session imports this module
-    from conformance.harness.runner import Executed
-    from conformance.harness.session import Session
+if TYPE_CHECKING:
+    from conformance.harness.observation import Observation
 
 PHASES = ("attached", "submitted", "scheduled", "computed", "stepped", "settled", "aborted")
+
+
+# -- the moments a checker is shown ---------------------------------------------------------
+@dataclass(frozen=True)
+class Submitted:
+    request: Request
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    plan: StepPlan
+    view: CacheView | None  # right after schedule(); None: a stall (nothing scheduled, nothing moved)
 
 
 @dataclass(frozen=True)
@@ -55,24 +79,50 @@ class StepRecord:
     transfers: tuple[TransferDone, ...] = ()
 
 
+@dataclass(frozen=True)
+class Settled:
+    view: CacheView
+    idle: bool  # no request active and no transfer in flight
+
+
+@dataclass(frozen=True)
+class Aborted:
+    request_id: str
+
+
+#: The phase that shows each kind of event.
+PHASE_OF: dict[type, str] = {Submitted: "submitted", Scheduled: "scheduled", Executed: "computed",
+                             StepRecord: "stepped", Settled: "settled", Aborted: "aborted"}
+
+
 class Checker:
-    """Base class: every phase is a no-op; a checker overrides the ones it judges."""
+    """Base class: every phase is a no-op; a checker overrides the ones it judges.
+
+    What it counts goes to ``self.coverage`` (:meth:`count`), what it could
+    not check to ``self.notes``: its own, read by the session."""
 
     name = "checker"
 
-    def attached(self, session: Session) -> None: ...
+    def __init__(self) -> None:
+        self.coverage: dict[str, int] = {}
+        self.notes: set[str] = set()
 
-    def submitted(self, session: Session, request: Request) -> None: ...
+    def count(self, key: str, n: int = 1) -> None:
+        self.coverage[key] = self.coverage.get(key, 0) + n
 
-    def scheduled(self, session: Session, plan: StepPlan, view: CacheView) -> None: ...
+    def attached(self, obs: Observation) -> None: ...
 
-    def computed(self, session: Session, executed: Executed) -> None: ...
+    def submitted(self, obs: Observation, ev: Submitted) -> None: ...
 
-    def stepped(self, session: Session, record: StepRecord) -> None: ...
+    def scheduled(self, obs: Observation, ev: Scheduled) -> None: ...
 
-    def settled(self, session: Session, view: CacheView, idle: bool) -> None: ...
+    def computed(self, obs: Observation, executed: Executed) -> None: ...
 
-    def aborted(self, session: Session, request_id: str) -> None: ...
+    def stepped(self, obs: Observation, record: StepRecord) -> None: ...
+
+    def settled(self, obs: Observation, ev: Settled) -> None: ...
+
+    def aborted(self, obs: Observation, ev: Aborted) -> None: ...
 
 
 @dataclass
@@ -80,20 +130,47 @@ class CheckerSet:
     """Checkers composed in order; the first failure stops the step."""
 
     checkers: list[Checker] = field(default_factory=list)
+    obs: Any = None  # the observation they are shown (set by attach)
+
+    def attach(self, obs: Observation, checkers: list[Checker] | None = None) -> None:
+        """Show the session to ``checkers`` (all of them by default; a checker
+        added later is attached alone)."""
+        self.obs = obs
+        for checker in self.checkers if checkers is None else checkers:
+            self._call(checker, "attached", checker.attached, obs)
 
     def add(self, checker: Checker) -> None:
         self.checkers.append(checker)
+        if self.obs is not None:
+            self.attach(self.obs, [checker])
 
     def names(self) -> list[str]:
         return [c.name for c in self.checkers]
 
-    def notify(self, phase: str, session: Session, *args) -> None:
+    def notify(self, event: object) -> None:
+        phase = PHASE_OF[type(event)]
         for checker in self.checkers:
-            method = getattr(checker, phase)
-            try:
-                method(session, *args)
-            except (ConformanceFailure, ImplementationError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - a crashing checker is a harness error, never a pass
-                raise HarnessError(f"checker {checker.name!r} crashed in {phase}: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+            self._call(checker, phase, getattr(checker, phase), self.obs, event)
+
+    @staticmethod
+    def _call(checker: Checker, phase: str, method: Callable, *args: object) -> None:
+        try:
+            method(*args)
+        except (ConformanceFailure, ImplementationError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a crashing checker is a harness error, never a pass
+            raise HarnessError(f"checker {checker.name!r} crashed in {phase}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+    # -- what the checkers counted and noted (the session's coverage and notes) ----------------
+    def coverage(self) -> dict[str, int]:
+        """Every checker's counters, summed by name (two checkers of one
+        concern, say the retention and hit-rate families, count together)."""
+        out: dict[str, int] = {}
+        for checker in self.checkers:
+            for key, n in getattr(checker, "coverage", {}).items():
+                out[key] = out.get(key, 0) + n
+        return out
+
+    def notes(self) -> set[str]:
+        return set().union(*(getattr(c, "notes", set()) for c in self.checkers))

@@ -1,61 +1,191 @@
-"""What happened in a session, complete and in order, as plain data:
-operations applied, plans, verdicts, transfer completions, fault firings,
-finished and aborted requests.  Repro files, reports and failure explanations
-read it; nothing is dropped (a failure's explanation takes the tail)."""
+"""What happened in a session, complete and in order: the record.
+
+Each entry is a frozen event: an operation applied (:class:`OpApplied`), a
+plan (:class:`Planned`), the no-cache oracle's verdict on a computed step
+(:class:`Judged`), a transfer completion (:class:`TransferCompleted`), a
+fault firing (:class:`FaultFired`), requests finished (:class:`Finished`).
+Checkers read the record typed (``history.events``, :meth:`History.since`,
+:meth:`History.issued`); repro files, reports and failure explanations read
+its JSON form (:meth:`Event.to_dict`, :meth:`History.tail`,
+:meth:`History.as_data`), unchanged since the record was a list of dicts.
+Nothing is dropped (a failure's explanation takes the tail).
+
+The checkers are shown more than the record keeps (the views, the logits:
+:mod:`conformance.harness.checker`'s moments); the record keeps what a
+replay and a reader need.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 from conformance.contract import RequestStep, StepPlan, Transfer, TransferDone
 from conformance.harness.ops import Op, op_to_dict
+
+if TYPE_CHECKING:
+    from conformance.harness.oracle import Verdict
+
+
+@dataclass(frozen=True)
+class OpApplied:
+    """Operation number ``index`` of the session began."""
+
+    kind: ClassVar[str] = "op"
+    index: int
+    op: Op
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, "index": self.index, **op_to_dict(self.op)}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """``schedule()`` returned ``plan``.  Its JSON form is taken when the
+    event is made: an implementation may reuse the lists it returned."""
+
+    kind: ClassVar[str] = "plan"
+    plan: StepPlan
+    data: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        p = self.plan
+        object.__setattr__(self, "data", {"event": self.kind, "requests": [
+            {"request_id": r.request_id, "start": r.start, "end": r.end, "block_table": list(r.block_table),
+             "state_slot": r.state_slot, "state_init": r.state_init.kind, "state_source": r.state_init.source,
+             "snapshots": [list(s) for s in r.snapshots]} for r in p.requests],
+            "kv_copies": [list(c) for c in p.kv_copies], "state_copies": [list(c) for c in p.state_copies],
+            # host-tier traffic, only when there is some (most plans have none)
+            **({"transfers": [transfer_to_dict(t) for t in p.transfers]} if p.transfers else {})})
+
+    @property
+    def transfers(self) -> tuple[Transfer, ...]:
+        return tuple(self.plan.transfers)
+
+    def to_dict(self) -> dict:
+        return self.data
+
+
+@dataclass(frozen=True)
+class Judged:
+    """The no-cache oracle's verdict on one request's computed step."""
+
+    kind: ClassVar[str] = "verdict"
+    request_id: str
+    start: int
+    end: int
+    ok: bool
+    max_rel_error: float
+    reads: str  # provenance of what the step read
+    first_bad_position: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, "request_id": self.request_id, "start": self.start, "end": self.end,
+                "ok": self.ok, "max_rel_error": self.max_rel_error, "reads": self.reads}
+
+
+@dataclass(frozen=True)
+class TransferCompleted:
+    kind: ClassVar[str] = "transfer-done"
+    done: TransferDone
+    # Loads: whether the bytes that landed are the source bytes of the entry
+    # (the harness knows; the implementation verifies).  None: an offload, or
+    # a load that failed.
+    intact: bool | None = None
+
+    @property
+    def id(self) -> int:
+        return self.done.id
+
+    @property
+    def ok(self) -> bool:
+        return self.done.ok
+
+    def to_dict(self) -> dict:
+        d = self.done
+        return {"event": self.kind, "id": d.id, "ok": d.ok, **({"error": d.error} if d.error else {}),
+                **({"intact": self.intact} if self.intact is not None else {})}
+
+
+@dataclass(frozen=True)
+class FaultFired:
+    """A fault (or the generator's transfer control, ``fault == "control"``)
+    acted on ``transfer``; ``what`` says how."""
+
+    kind: ClassVar[str] = "fault"
+    fault: str
+    what: str
+    transfer: Transfer | None = None
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, "fault": self.fault, "what": self.what,
+                **({"transfer": transfer_to_dict(self.transfer)} if self.transfer is not None else {})}
+
+
+@dataclass(frozen=True)
+class Finished:
+    kind: ClassVar[str] = "finished"
+    request_ids: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, "requests": list(self.request_ids)}
+
+
+Event = OpApplied | Planned | Judged | TransferCompleted | FaultFired | Finished
 
 
 @dataclass
 class History:
     ops: list[Op] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
 
+    # -- recording (the session and the transport) ---------------------------------------
     def begin(self, op: Op) -> None:
         self.ops.append(op)
-        self.events.append({"event": "op", "index": len(self.ops) - 1, **op_to_dict(op)})
+        self.events.append(OpApplied(len(self.ops) - 1, op))
 
     def plan(self, plan: StepPlan) -> None:
-        self.events.append({"event": "plan", "requests": [
-            {"request_id": r.request_id, "start": r.start, "end": r.end, "block_table": list(r.block_table),
-             "state_slot": r.state_slot, "state_init": r.state_init.kind, "state_source": r.state_init.source,
-             "snapshots": [list(s) for s in r.snapshots]} for r in plan.requests],
-            "kv_copies": [list(c) for c in plan.kv_copies], "state_copies": [list(c) for c in plan.state_copies],
-            # host-tier traffic, only when there is some (most plans have none)
-            **({"transfers": [_transfer(t) for t in plan.transfers]} if plan.transfers else {})})
+        self.events.append(Planned(plan))
 
-    def judged(self, rs: RequestStep, verdict, reads: str) -> None:
-        self.events.append({"event": "verdict", "request_id": rs.request_id, "start": rs.start, "end": rs.end,
-                            "ok": verdict.ok, "max_rel_error": verdict.max_rel_error, "reads": reads})
+    def judged(self, rs: RequestStep, verdict: Verdict, reads: str) -> None:
+        self.events.append(Judged(rs.request_id, rs.start, rs.end, verdict.ok, verdict.max_rel_error, reads,
+                                  verdict.first_bad_position))
 
     def completed(self, done: TransferDone, intact: bool | None = None) -> None:
-        """``intact`` (loads): whether the bytes that landed are the source
-        bytes of the entry (the harness knows; the implementation verifies)."""
-        self.events.append({"event": "transfer-done", "id": done.id, "ok": done.ok,
-                            **({"error": done.error} if done.error else {}),
-                            **({"intact": intact} if intact is not None else {})})
+        self.events.append(TransferCompleted(done, intact))
 
     def fault(self, name: str, transfer: Transfer | None, what: str) -> None:
-        self.events.append({"event": "fault", "fault": name, "what": what,
-                            **({"transfer": _transfer(transfer)} if transfer is not None else {})})
+        self.events.append(FaultFired(name, what, transfer))
 
     def finished(self, request_ids: list[str]) -> None:
         if request_ids:
-            self.events.append({"event": "finished", "requests": list(request_ids)})
+            self.events.append(Finished(tuple(request_ids)))
 
+    # -- reading (typed) ---------------------------------------------------------------
+    def since(self, index: int) -> Sequence[Event]:
+        """The events from position ``index`` on (a checker that folds
+        incrementally keeps where it stopped: ``len(history.events)``)."""
+        return self.events[index:]
+
+    def issued(self, transfer_id: int) -> Transfer | None:
+        """The transfer with this id, as the latest plan that carried it issued it."""
+        for ev in reversed(self.events):
+            if isinstance(ev, Planned):
+                for t in ev.transfers:
+                    if t.id == transfer_id:
+                        return t
+        return None
+
+    # -- the JSON form -------------------------------------------------------------------
     def tail(self, n: int = 12) -> list[dict]:
-        """The last ``n`` events: what a failure explanation shows."""
-        return list(self.events[-n:])
+        """The last ``n`` events as data: what a failure explanation shows."""
+        return [ev.to_dict() for ev in self.events[-n:]]
 
-    def ops_as_data(self) -> list[dict]:
-        return [op_to_dict(op) for op in self.ops]
+    def as_data(self) -> list[dict]:
+        return [ev.to_dict() for ev in self.events]
 
 
-def _transfer(t: Transfer) -> dict:
+def transfer_to_dict(t: Transfer) -> dict:
     return {"id": t.id, "direction": t.direction, "kind": t.kind, "key": t.key, "device": t.device,
             "request_id": t.request_id}

@@ -11,16 +11,22 @@ import torch
 from conformance.contract import RequestStep, StepPlan, TransferDone
 from conformance.errors import ContractError
 from conformance.harness.memory import Memory, Prefix
+from conformance.harness.oracle import Verdict
 from conformance.harness.transport import Transport
 from conformance.model import TinyHybrid
 
 
-@dataclass
+@dataclass(frozen=True)
 class Executed:
+    """One request's step, computed: what the checkers of ``computed`` are shown."""
+
     step: RequestStep
     logits: torch.Tensor | None  # [end - start, vocab]; None: not computed (a dry step of the pool probe)
     reads: str  # provenance of what was read, for explanations
     loads_read: frozenset[int] = frozenset()  # ids of the tier loads whose bytes the step read
+    # The no-cache oracle's verdict on the logits (the session measures it
+    # before the checkers see the step); None: not judged (a dry step).
+    verdict: Verdict | None = None
 
 
 def _describe(prefix: Prefix | None, wanted: Prefix) -> str:

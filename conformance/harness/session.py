@@ -3,18 +3,25 @@ checkers that judge it.
 
 It applies operations (:mod:`conformance.harness.ops`), drives the
 implementation step by step, executes each plan with the runner and records
-everything in its history; after each phase it hands what happened to its
-checkers (:mod:`conformance.harness.checker`), which raise
+everything in its history; after each phase it shows what happened to its
+checkers (:mod:`conformance.harness.checker`), with a read-only observation of
+itself (:class:`SessionObservation`), and they raise
 :class:`~conformance.errors.ConformanceFailure` for what is wrong.  The
 session itself enforces only the contract (ids, ranges, return types) and
-liveness (a stall); every other judgement is a checker's.
+liveness (a stall); every other judgement is a checker's.  It measures (the
+oracle's verdict on each computed step, the entries evicted so far) and
+collects what its checkers counted and noted (``coverage``, ``notes``); it
+never asks a checker's counters what to do.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 from conformance.contract import (
+    OPTIONAL_METHODS,
     CacheImplementation,
     CacheView,
     ContractError,
@@ -24,37 +31,26 @@ from conformance.contract import (
     Request,
     StepPlan,
     StepResult,
+    Transfer,
     missing_methods,
 )
 from conformance.errors import ConformanceFailure
-from conformance.harness.checker import Checker, CheckerSet, StepRecord
+from conformance.harness.checker import Aborted, Checker, CheckerSet, Scheduled, Settled, StepRecord, Submitted
 from conformance.harness.conflicts import plan_conflicts
 from conformance.harness.guard import guarded
 from conformance.harness.history import History
-from conformance.harness.memory import Memory
+from conformance.harness.memory import Memory, Prefix
+from conformance.harness.observation import Track
 from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
 from conformance.harness.oracle import Oracle
 from conformance.harness.probe import SHORT_LEN, probe_prompts
 from conformance.harness.runner import Runner
 from conformance.harness.transfer_control import TransferControl
+from conformance.harness.transport import HostStore
 from conformance.model import TinyHybrid
 
 MAX_DRAIN_STEPS = 400
 STALL_STEPS = 3
-
-
-@dataclass
-class Track:
-    """The harness's own record of one request: its tokens and progress."""
-
-    tokens: tuple[int, ...]
-    prompt_len: int
-    max_new: int
-    continues: str | None
-    generated: int = 0
-    computed: int | None = None  # None until first scheduled
-    steps: int = 0
-    done: bool = False
 
 
 @dataclass
@@ -65,12 +61,6 @@ class Session:
     checkers: CheckerSet
     timeout: float | None = 30.0
     history: History = field(default_factory=History)
-    # Coverage counters: the checkers count them (conformance.judge.coverage);
-    # checks require some of them to be > 0.
-    coverage: dict[str, int] = field(default_factory=dict)
-    # What the checkers could not check for this implementation (reduced
-    # assurance, e.g. no refcounts stated): reported with the result, never silent.
-    notes: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         missing = missing_methods(self.impl)
@@ -91,11 +81,26 @@ class Session:
         self.probing = False  # while the pool probe runs (coverage does not count its requests)
         self._probes = 0
         self.ended = False  # after the pool probe (see _probe)
-        self.checkers.notify("attached", self)
+        # Cached entries the view stopped listing, outside the probe (a fact the
+        # generator steers on and the coverage reports; see _settle).
+        self.evicted = 0
+        self._cached: set[tuple] = set()
+        self.observation = SessionObservation(self)
+        self.checkers.attach(self.observation)
 
     def add_checker(self, checker: Checker) -> None:
         self.checkers.add(checker)
-        CheckerSet([checker]).notify("attached", self)
+
+    @property
+    def coverage(self) -> dict[str, int]:
+        """What the checkers counted (checks require some counters to be > 0)."""
+        return self.checkers.coverage()
+
+    @property
+    def notes(self) -> set[str]:
+        """What the checkers could not check for this implementation (reduced
+        assurance, e.g. no refcounts stated): reported with the result, never silent."""
+        return self.checkers.notes()
 
     # -- operations ------------------------------------------------------------------
     def apply(self, op: Op) -> None:
@@ -147,7 +152,7 @@ class Session:
         self.oracle.prime(op.prompt)
         request = Request(op.request_id, op.prompt, op.max_new_tokens)
         self.call("add_request", request)
-        self.checkers.notify("submitted", self, request)
+        self.checkers.notify(Submitted(request))
 
     def _abort(self, rid: str) -> None:
         track = self.tracks.get(rid)
@@ -155,7 +160,7 @@ class Session:
             return
         self.call("abort", rid)
         track.done = True
-        self.checkers.notify("aborted", self, rid)
+        self.checkers.notify(Aborted(rid))
         self._settle()
 
     def _drain(self, budget: int) -> None:
@@ -269,7 +274,7 @@ class Session:
         self._stalled = 0
         view = self.plan_view = self.call("view")
         self._validate(plan)
-        self.checkers.notify("scheduled", self, plan, view)
+        self.checkers.notify(Scheduled(plan, view))
         try:
             executed = self.runner.execute(plan, {rid: t.tokens for rid, t in self.tracks.items()})
         except ContractError as exc:
@@ -277,8 +282,12 @@ class Session:
         self._record_transfers()
         sampled = {}
         for ex in executed:
-            self.checkers.notify("computed", self, ex)
             rs, track = ex.step, self.tracks[ex.step.request_id]
+            if ex.logits is not None:  # the oracle's verdict, recorded; the logits checker judges it
+                verdict = self.oracle.judge(track.tokens, rs.start, ex.logits)
+                self.history.judged(rs, verdict, ex.reads)
+                ex = replace(ex, verdict=verdict)
+            self.checkers.notify(ex)
             track.computed = rs.end
             track.steps += 1
             if rs.end == len(track.tokens) and track.generated < track.max_new:
@@ -289,8 +298,8 @@ class Session:
         finished = self.call("update", plan, StepResult(sampled, transfers=tuple(self.runner.completed)))
         self._finish(list(finished or ()))
         view_after = self._settle()
-        self.checkers.notify("stepped", self, StepRecord(self.step_no, plan, view_before, view, view_after,
-                                                         tuple(finished or ()), tuple(self.runner.completed)))
+        self.checkers.notify(StepRecord(self.step_no, plan, view_before, view, view_after, tuple(finished or ()),
+                                        tuple(self.runner.completed)))
 
     def _without_requests(self, plan: StepPlan) -> None:
         """A plan that computes nothing: transfers and copies only, or a stall."""
@@ -299,7 +308,7 @@ class Session:
         # checkers see what the cache held then (an entry evicted by another
         # request's load destinations is neither on the device nor, its
         # offload not run yet, in the host store).
-        self.checkers.notify("scheduled", self, plan, self.call("view") if progress else None)
+        self.checkers.notify(Scheduled(plan, self.call("view") if progress else None))
         if progress:
             # requests wait for their loads (or copies prepare them): progress, not a stall
             self._stalled = 0
@@ -339,7 +348,12 @@ class Session:
     def _settle(self) -> CacheView:
         """Memory at rest: the view after it, handed to the checkers."""
         view = self.last_view = self.call("view")
-        self.checkers.notify("settled", self, view, self.idle())
+        cached = ({("kv", e.block, e.tokens) for e in view.cached_kv}
+                  | {("s", e.slot, e.tokens) for e in view.cached_states})
+        if not self.probing:  # the probe evicts whatever it needs: not the check's pressure
+            self.evicted += len(self._cached - cached)
+        self._cached = cached
+        self.checkers.notify(Settled(view, self.idle()))
         return view
 
     def _validate(self, plan: StepPlan) -> None:
@@ -369,6 +383,81 @@ class Session:
         return guarded(f"{type(self.impl).__name__}.{method}()", getattr(self.impl, method), *args,
                        timeout=self.timeout)
 
+
+
+class SessionObservation:
+    """The read-only face of a session its checkers see
+    (:class:`~conformance.harness.observation.Observation`)."""
+
+    __slots__ = ("_s", "_tracks")
+
+    def __init__(self, session: Session):
+        self._s = session
+        self._tracks = MappingProxyType(session.tracks)
+
+    @property
+    def layout(self) -> Layout:
+        return self._s.layout
+
+    @property
+    def memory(self) -> Memory:
+        return self._s.memory
+
+    @property
+    def tracks(self) -> Mapping[str, Track]:
+        return self._tracks
+
+    @property
+    def history(self) -> History:
+        return self._s.history
+
+    @property
+    def step_no(self) -> int:
+        return self._s.step_no
+
+    @property
+    def probing(self) -> bool:
+        return self._s.probing
+
+    @property
+    def evicted(self) -> int:
+        return self._s.evicted
+
+    @property
+    def last_view(self) -> CacheView | None:
+        return self._s.last_view
+
+    @property
+    def plan_view(self) -> CacheView | None:
+        return self._s.plan_view
+
+    @property
+    def store(self) -> HostStore:
+        return self._s.runner.transport.store
+
+    @property
+    def transfers_succeeded(self) -> Mapping[str, int]:
+        return MappingProxyType(self._s.runner.transport.succeeded)
+
+    @property
+    def loaded_states(self) -> set[Prefix]:
+        return self._s.runner.transport.loaded_states
+
+    @property
+    def transfer_decisions(self) -> Mapping[str, int] | None:
+        control = next((h for h in self._s.runner.transport.hooks if isinstance(h, TransferControl)), None)
+        return None if control is None else MappingProxyType(control.counts)
+
+    def active(self) -> list[str]:
+        return self._s.active()
+
+    def pending_loads(self) -> list[Transfer]:
+        return self._s.pending_loads()
+
+    def declared(self, method: str) -> object:
+        if method not in OPTIONAL_METHODS:
+            raise ValueError(f"{method}() is not a declaration of the contract ({', '.join(OPTIONAL_METHODS)})")
+        return self._s.call(method) if callable(getattr(self._s.impl, method, None)) else None
 
 
 def make_session(impl_factory: ImplFactory, impl_config: ImplConfig, model: TinyHybrid, oracle: Oracle,

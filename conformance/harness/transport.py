@@ -152,7 +152,6 @@ class Transport:
     # broken at rest, or another entry's bytes).  A verifying cache rejects
     # exactly these; the expected-hit oracle excuses their requests.
     intact: dict = field(default_factory=dict)
-    broken_for: set = field(default_factory=set)  # requests a load of which came back failed or not intact
     # Fault firings awaiting consumption (see Firing): by the transfer they fired on
     # (until it completes), by host key (an offload's stored bytes, until loaded),
     # by load id (its landed bytes, until read) and by request (until computed).
@@ -228,8 +227,6 @@ class Transport:
             else:
                 self._by_key[t.key] = firings  # a later offload of the key replaces the bytes
             return
-        if not d.ok or not self.intact.get(t.id, True):
-            self.broken_for.add(t.request_id)
         firings += self._by_key.pop(t.key, []) if d.ok else []
         if d.ok:
             self._by_load[t.id] = firings

@@ -68,6 +68,7 @@ from collections.abc import Mapping
 
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
+from conformance.harness.history import TransferCompleted
 from conformance.judge.retention import declared_retention
 from conformance.judge.reuse import INDEXES, LookupWindow
 
@@ -130,6 +131,7 @@ class ExpectedHit(Checker):
     name = "expected-hit"
 
     def __init__(self):
+        super().__init__()
         self.decl: dict | None = None
         self.window = LookupWindow()
         self.remote_floor: dict[str, int] = {}  # waiting request -> least remote reuse seen
@@ -139,26 +141,26 @@ class ExpectedHit(Checker):
         # that copy; a later offload under the same key is a new copy)
         self.distrusted: dict[str, object] = {}
 
-    def attached(self, session) -> None:
-        self.decl = declared_retention(session)
-        self.unit = (self.decl or {}).get("tier_unit") or session.layout.block_size
+    def attached(self, obs) -> None:
+        self.decl = declared_retention(obs)
+        self.unit = (self.decl or {}).get("tier_unit") or obs.layout.block_size
 
     # -- the remote tier ------------------------------------------------------------------
-    def _remote(self, session, rid: str, prompt: Prefix, view, plan) -> int:
-        B, unit = session.layout.block_size, self.unit
-        store = session.runner.transport.store
+    def _remote(self, obs, rid: str, prompt: Prefix, view, plan) -> int:
+        B, unit = obs.layout.block_size, self.unit
+        store = obs.store
         if not store.entries:
             return 0
-        before = session.last_view
+        before = obs.last_view
         here = DeviceHeld(INDEXES.get(before, B), INDEXES.get(view, B))
         best = longest_held(prompt, here, StoreIndex(store, B, self.distrusted), B, unit)
-        if best and view is not None and view.kv_refcounts and not self._room(session, rid, prompt[:best], view,
+        if best and view is not None and view.kv_refcounts and not self._room(obs, rid, prompt[:best], view,
                                                                               before, here, plan):
             return -1  # no room to bring it in: excused
         return best
 
     @staticmethod
-    def _room(session, rid: str, held: Prefix, view, before, here, plan) -> bool:
+    def _room(obs, rid: str, held: Prefix, view, before, here, plan) -> bool:
         """Whether a correct cache had the room to bring ``held`` in when it
         matched the request: a destination for each block and for the state
         the device lacks, and a block and a slot more for the request itself
@@ -172,7 +174,7 @@ class ExpectedHit(Checker):
         the running slot and the fresh blocks at ``held``'s positions of a
         first step that reused less: what it allocated instead of loading,
         even where the cache registered them at that schedule)."""
-        B = session.layout.block_size
+        B = obs.layout.block_size
         wanted = {held[: (k + 1) * B] for k in range(len(held) // B)}
         # entries the view before the schedule listed too (see DeviceHeld)
         kept_kv = {(e.block, e.tokens) for e in before.cached_kv} if before is not None else set()
@@ -183,7 +185,7 @@ class ExpectedHit(Checker):
         joined_state = {e.slot for e in view.cached_states if e.tokens == held and e.slot in cached_state}
         to_load_kv = sum(1 for k in range(len(held) // B) if held[: (k + 1) * B] not in here.kv_by_block.get(k, ()))
         to_load_state = 0 if held in here.states else 1
-        loads = [t for t in (*plan.transfers, *session.pending_loads())
+        loads = [t for t in (*plan.transfers, *obs.pending_loads())
                  if t.direction == "load" and t.request_id == rid]
         own_kv = {t.device for t in loads if t.kind == "kv"}
         own_state = {t.device for t in loads if t.kind == "state"}
@@ -197,58 +199,56 @@ class ExpectedHit(Checker):
                          if (r == 0 and s not in joined_state) or (r > 0 and s in own_state))
         return free_kv >= to_load_kv + 1 and free_state >= to_load_state + 1
 
-    def _note_broken_loads(self, session) -> None:
-        """Requests whose loads came back broken (from the history: a load
-        that failed, or whose bytes are not the entry's source bytes, whether
-        the wire broke them, the store answered with other bytes or the copy
+    def _note_broken_loads(self, obs) -> None:
+        """Requests whose loads came back broken (from the record: a load that
+        failed, or whose bytes are not the entry's source bytes, whether the
+        wire broke them, the store answered with other bytes or the copy
         itself broke at its offload), and the host copies those loads read.
         By what landed, not by which fault fired: a fault on an offload breaks
         the load that reads its copy back, and a late completion
         (``transfer-reorder``, a delayed ``Deliver``) breaks nothing."""
-        events = session.history.events
-        store = session.runner.transport.store
-        for ev in events[self.seen_events:]:
-            broken: tuple[str, str] | None = None
-            if ev.get("event") == "transfer-done" and (not ev.get("ok") or ev.get("intact") is False):
-                broken = self._owner(session, ev["id"])
+        history = obs.history
+        store = obs.store
+        for ev in history.since(self.seen_events):
+            broken: tuple[str | None, str | None] | None = None
+            if isinstance(ev, TransferCompleted) and (not ev.ok or ev.intact is False):
+                broken = self._owner(history, ev.id)
             if broken is not None:
                 rid, key = broken
                 self.excused.add(rid)
                 entry = store.entries.get(key) if key is not None else None
                 if entry is not None:  # an entry the store dropped is held by no one
                     self.distrusted[key] = entry
-        self.seen_events = len(events)
+        self.seen_events = len(history.events)
 
     @staticmethod
-    def _owner(session, transfer_id: int) -> tuple[str, str] | None:
+    def _owner(history, transfer_id: int) -> tuple[str | None, str] | None:
         """The request and the host key of a load, from the plan that issued
         it (None for an offload: a failed offload broke no load)."""
-        for ev in reversed(session.history.events):
-            for t in ev.get("transfers", ()) if ev.get("event") == "plan" else ():
-                if t["id"] == transfer_id:
-                    return (t["request_id"], t["key"]) if t.get("direction") == "load" else None
-        return None
+        t = history.issued(transfer_id)
+        return (t.request_id, t.key) if t is not None and t.direction == "load" else None
 
     # -- phases ---------------------------------------------------------------------------
-    def scheduled(self, session, plan, view) -> None:
-        if self.decl is None or session.probing:  # held to no reuse (judge/retention.py, FAMILIES)
+    def scheduled(self, obs, ev) -> None:
+        plan, view = ev.plan, ev.view
+        if self.decl is None or obs.probing:  # held to no reuse (judge/retention.py, FAMILIES)
             return
         if not plan.requests:  # no step follows: the local window sees this schedule here
-            self.window.look(session, session.last_view, view)
+            self.window.look(obs, obs.last_view, view)
         if view is None or self.decl.get("tier_unit") is None:
             return
         # Loads broken since the last step the checkers saw (a step that only
         # completed transfers need not reach ``stepped``): not held for anyone.
-        self._note_broken_loads(session)
-        waiting = [rid for rid, t in session.tracks.items() if not t.done and t.computed is None]
+        self._note_broken_loads(obs)
+        waiting = [rid for rid, t in obs.tracks.items() if not t.done and t.computed is None]
         for rid in waiting:
-            track = session.tracks[rid]
-            r = self._remote(session, rid, track.tokens[: track.prompt_len], view, plan)
+            track = obs.tracks[rid]
+            r = self._remote(obs, rid, track.tokens[: track.prompt_len], view, plan)
             self.remote_floor[rid] = min(self.remote_floor.get(rid, r), r)
 
-    def computed(self, session, executed) -> None:
+    def computed(self, obs, executed) -> None:
         rs = executed.step
-        track = session.tracks[rs.request_id]
+        track = obs.tracks[rs.request_id]
         if track.computed is not None or rs.start == 0:
             return
         held = "conv ok" in executed.reads and "matrix ok" in executed.reads and executed.reads.endswith("): ok")
@@ -256,24 +256,24 @@ class ExpectedHit(Checker):
             raise ConformanceFailure("invariant", f"request {rs.request_id} reused {rs.start} tokens, more than "
                                                   f"memory held for it: {executed.reads}")
 
-    def stepped(self, session, record) -> None:
-        if self.decl is None or session.probing:
+    def stepped(self, obs, record) -> None:
+        if self.decl is None or obs.probing:
             return
-        self._note_broken_loads(session)
-        floors = self.window.observe(session, record.plan, record.view_before)
+        self._note_broken_loads(obs)
+        floors = self.window.observe(obs, record.plan, record.view_before)
         for rid, (_kv, local) in floors.items():
             rs = next(r for r in record.plan.requests if r.request_id == rid)
             remote = self.remote_floor.pop(rid, 0)
             if rid in self.excused and remote > local:
                 # the host tier would have decided it, but a load broke: the
                 # situation an environment fault is about (coverage under faults)
-                session.coverage["remote_excused"] = session.coverage.get("remote_excused", 0) + 1
+                self.count("remote_excused")
             if rid in self.excused or remote < 0:
                 remote = 0
             expected = max(local, remote)
-            session.coverage["expected_hits"] = session.coverage.get("expected_hits", 0) + 1
+            self.count("expected_hits")
             if remote > local:
-                session.coverage["remote_expected"] = session.coverage.get("remote_expected", 0) + 1
+                self.count("remote_expected")
             if rs.start < expected:
                 tier = "the host tier" if remote > local else "the device"
                 raise ConformanceFailure("hit-rate", f"request {rid} reused {rs.start} tokens, but a correct cache "

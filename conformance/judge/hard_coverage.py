@@ -1,7 +1,7 @@
 """Coverage of the hard histories (issue 14) and of the transfer decisions:
 counted from what the session recorded (tracks, plans, the harness's own
 transfer controller), never from what the implementation says, except
-evictions, which the coverage checker counts from views memory proved honest.
+evictions, which the session measures from views memory proved honest.
 
 - ``evictions_while_running``: entries evicted in a step in which some
   request was mid-prefill or mid-decode;
@@ -38,7 +38,6 @@ evictions, which the coverage checker counts from views memory proved honest.
 from __future__ import annotations
 
 from conformance.harness.checker import Checker
-from conformance.harness.transfer_control import TransferControl
 from conformance.judge.expected_hit import StoreIndex, longest_held
 from conformance.judge.reuse import INDEXES
 
@@ -56,28 +55,27 @@ class HardHistoryCoverage(Checker):
     name = "hard-coverage"
 
     def __init__(self):
+        super().__init__()
         self.first_start: dict[str, int] = {}  # request -> where its first step started
         self.asked: dict[tuple[int, ...], int] = {}  # prompt -> evictions counted when it was last asked for
         self.waiting_kv: dict[str, int] = {}  # request -> KV servable at the last schedule, before its first step
         self.evictions = 0
 
-    def _count(self, session, key: str, n: int = 1) -> None:
-        session.coverage[key] = session.coverage.get(key, 0) + n
-
-    def attached(self, session):
+    def attached(self, obs):
         for key in HARD_COUNTERS + TRANSFER_COUNTERS:
-            session.coverage.setdefault(key, 0)
+            self.coverage.setdefault(key, 0)
 
-    def submitted(self, session, request):
-        if session.probing:  # the pool probe's requests are the harness's, not the check's situations
+    def submitted(self, obs, ev):
+        if obs.probing:  # the pool probe's requests are the harness's, not the check's situations
             return
-        cov, B, prompt = session.coverage, session.layout.block_size, request.prompt
-        evicted = cov.get("evictions", 0)
+        request = ev.request
+        B, prompt = obs.layout.block_size, request.prompt
+        evicted = obs.evicted
         if prompt in self.asked and evicted > self.asked[prompt]:
-            self._count(session, "aba_rerequests")
+            self.count("aba_rerequests")
         self.asked[prompt] = evicted
         best, tail = 0, False
-        for rid, t in session.tracks.items():
+        for rid, t in obs.tracks.items():
             if rid == request.request_id:
                 continue
             seq, n = t.tokens, 0
@@ -89,36 +87,37 @@ class HardHistoryCoverage(Checker):
                 here = len(seq) % B != 0 and n == len(seq) // B * B + 1
                 best, tail = n, here or (tail and n == best)
         if best % B:
-            self._count(session, "in_block_divergences")
-            self._count(session, "tail_divergences", tail)
+            self.count("in_block_divergences")
+            self.count("tail_divergences", tail)
         self.waiting_kv[request.request_id] = -1
-        pending = {t.request_id for t in session.pending_loads()} if session.runner.transport.deferred else set()
-        loading = [session.tracks[r].tokens[:B] for r in pending if r in session.tracks and r != request.request_id]
-        self._count(session, "claims_while_loading", any(prompt[:B] == p for p in loading))
-        self._count(session, "mid_block_local_vs_remote", self._tail_against_boundary(session, prompt))
+        pending = {t.request_id for t in obs.pending_loads()}
+        loading = [obs.tracks[r].tokens[:B] for r in pending if r in obs.tracks and r != request.request_id]
+        self.count("claims_while_loading", any(prompt[:B] == p for p in loading))
+        self.count("mid_block_local_vs_remote", self._tail_against_boundary(obs, prompt))
 
     @staticmethod
-    def _tail_against_boundary(session, prompt) -> bool:
+    def _tail_against_boundary(obs, prompt) -> bool:
         """The device's best reuse for ``prompt`` ends inside a block, and a
         longer prefix up to a block boundary is held whole by the host store
         and the device together, as the last view and the store's provenance
         say (the expected-hit oracle's measure of the tiers)."""
-        store, B = session.runner.transport.store, session.layout.block_size
-        if not store.entries or session.last_view is None:
+        store, B = obs.store, obs.layout.block_size
+        if not store.entries or obs.last_view is None:
             return False
-        here = INDEXES.get(session.last_view, B)
+        here = INDEXES.get(obs.last_view, B)
         local = here.best_reuse(prompt)
         return local % B != 0 and longest_held(prompt, here, StoreIndex(store, B), B, B) > local
 
-    def scheduled(self, session, plan, view):
-        if session.probing:
+    def scheduled(self, obs, ev):
+        if obs.probing:
             return
-        B = session.layout.block_size
+        plan, view = ev.plan, ev.view
+        B = obs.layout.block_size
         cold: dict[tuple[int, ...], int] = {}
         touched = {slot for rs in plan.requests for slot in (rs.state_slot, rs.state_init.source,
                                                              *(s for _, s in rs.snapshots))}
         for rs in plan.requests:
-            track = session.tracks[rs.request_id]
+            track = obs.tracks[rs.request_id]
             if track.computed is not None:
                 continue
             self.first_start[rs.request_id] = rs.start
@@ -129,40 +128,41 @@ class HardHistoryCoverage(Checker):
                 # slots neither referenced nor holding a cached snapshot: what a new snapshot can take
                 cached = {e.slot for e in view.cached_states}
                 free = sum(1 for s, r in view.state_refcounts.items() if r == 0 and s not in cached | touched)
-                self._count(session, "snapshot_hits_under_slot_pressure", free <= 1)
-        self._count(session, "same_step_cold_prefills", sum(1 for n in cold.values() if n >= 2))
+                self.count("snapshot_hits_under_slot_pressure", free <= 1)
+        self.count("same_step_cold_prefills", sum(1 for n in cold.values() if n >= 2))
         # waiting requests: did what they could reuse shrink since the last schedule?
         if self.waiting_kv and view is not None:
             index = INDEXES.get(view, B)
             for rid in list(self.waiting_kv):
-                track = session.tracks.get(rid)
+                track = obs.tracks.get(rid)
                 if track is None or track.done:
                     self.waiting_kv.pop(rid, None)
                     continue
                 kv = index.kv_servable(track.tokens[: track.prompt_len])
-                self._count(session, "matched_then_evicted", 0 < kv < self.waiting_kv[rid])
+                self.count("matched_then_evicted", 0 < kv < self.waiting_kv[rid])
                 self.waiting_kv[rid] = kv
 
-    def settled(self, session, view, idle):
-        evicted = session.coverage.get("evictions", 0)
-        if evicted > self.evictions and any(session.tracks[r].computed is not None for r in session.active()):
-            self._count(session, "evictions_while_running")
+    def settled(self, obs, ev):
+        evicted = obs.evicted
+        if evicted > self.evictions and any(obs.tracks[r].computed is not None for r in obs.active()):
+            self.count("evictions_while_running")
         self.evictions = evicted
-        control = next((h for h in session.runner.transport.hooks if isinstance(h, TransferControl)), None)
-        if control is not None:
+        decided = obs.transfer_decisions
+        if decided is not None:
             for name, key in _CONTROL.items():
-                session.coverage[key] = control.counts[name]
-            session.coverage["loads_broken"] = control.counts["failed"] + control.counts["short"]
+                self.coverage[key] = decided[name]
+            self.coverage["loads_broken"] = decided["failed"] + decided["short"]
 
-    def aborted(self, session, request_id):
-        track = session.tracks[request_id]
-        if any(t.request_id == request_id for t in session.pending_loads()):
-            self._count(session, "aborts_while_loading")
+    def aborted(self, obs, ev):
+        request_id = ev.request_id
+        track = obs.tracks[request_id]
+        if any(t.request_id == request_id for t in obs.pending_loads()):
+            self.count("aborts_while_loading")
         if track.computed is None:
             return
         if track.computed < track.prompt_len:
-            self._count(session, "aborts_mid_prefill")
-            self._count(session, "aborts_mid_prefill_after_mid_block_hit",
-                        self.first_start.get(request_id, 0) % session.layout.block_size != 0)
+            self.count("aborts_mid_prefill")
+            self.count("aborts_mid_prefill_after_mid_block_hit",
+                       self.first_start.get(request_id, 0) % obs.layout.block_size != 0)
         else:
-            self._count(session, "aborts_mid_decode")
+            self.count("aborts_mid_decode")

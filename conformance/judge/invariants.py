@@ -112,13 +112,14 @@ class TablesReferenced(Checker):
 
     name = "tables-referenced"
 
-    def scheduled(self, session, plan, view):
+    def scheduled(self, obs, ev):
+        plan, view = ev.plan, ev.view
         if view is None:
             return
         if plan.requests and not view.kv_refcounts:
-            session.notes.add(NO_KV_REFCOUNTS)  # reduced assurance, reported with the result
-        fail_if("invariant", check_tables_referenced(view, plan, session.layout.block_size))
-        fail_if("invariant", check_holders_counted(view, plan, session.layout.block_size))
+            self.notes.add(NO_KV_REFCOUNTS)  # reduced assurance, reported with the result
+        fail_if("invariant", check_tables_referenced(view, plan, obs.layout.block_size))
+        fail_if("invariant", check_holders_counted(view, plan, obs.layout.block_size))
 
 
 class ViewMatchesMemory(Checker):
@@ -127,7 +128,7 @@ class ViewMatchesMemory(Checker):
 
     name = "view-matches-memory"
 
-    def settled(self, session, view, idle):
-        if not view.state_refcounts:
-            session.notes.add(NO_STATE_REFCOUNTS)
-        fail_if("invariant", check_view(view, session.memory, idle=idle))
+    def settled(self, obs, ev):
+        if not ev.view.state_refcounts:
+            self.notes.add(NO_STATE_REFCOUNTS)
+        fail_if("invariant", check_view(ev.view, obs.memory, idle=ev.idle))

@@ -36,6 +36,7 @@ class CacheMetrics(Checker):
     name = "metrics"
 
     def __init__(self, keep_series: bool = False):
+        super().__init__()
         self.counts = dict.fromkeys(COUNTS, 0)
         self.occ_sum = {"kv": 0.0, "state": 0.0}
         self.occ_peak = {"kv": 0.0, "state": 0.0}
@@ -45,17 +46,17 @@ class CacheMetrics(Checker):
         self.series: list[dict] = []  # per step, for plots
         self.window = LookupWindow()
 
-    def stepped(self, session, record) -> None:
-        if session.probing:  # the pool probe's cold requests are not the workload's
+    def stepped(self, obs, record) -> None:
+        if obs.probing:  # the pool probe's cold requests are not the workload's
             return
         plan, view_before = record.plan, record.view_before
         c = self.counts
         c["steps"] += 1
-        floors = self.window.observe(session, plan, view_before)
+        floors = self.window.observe(obs, plan, view_before)
         for rs in plan.requests:
             if rs.request_id not in floors:
                 continue
-            track = session.tracks[rs.request_id]
+            track = obs.tracks[rs.request_id]
             kv = max(floors[rs.request_id][0], rs.start)  # a view may not list its KV; the start proves it
             c["requests"] += 1
             c["prompt_tokens"] += track.prompt_len
@@ -65,8 +66,8 @@ class CacheMetrics(Checker):
             c["kv_hit_requests"] += kv > 0
             c["state_hit_requests"] += rs.start > 0
             self.first_start[rs.request_id] = rs.start
-        view = session.last_view
-        lay = session.layout
+        view = obs.last_view
+        lay = obs.layout
         slots = {s for s, n in view.state_refcounts.items() if n > 0} | {e.slot for e in view.cached_states}
         blocks = {b for b, n in view.kv_refcounts.items() if n > 0} | {e.block for e in view.cached_kv}
         occ = {"kv": len(blocks) / lay.num_kv_blocks, "state": len(slots) / lay.num_state_slots}

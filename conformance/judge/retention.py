@@ -54,7 +54,7 @@ from conformance.judge.reuse import INDEXES, LookupWindow, ViewIndex
 
 FAMILIES = ("retention", "hit-rate")
 
-# The pool probe's requests (``session.probing``) are held to no declared
+# The pool probe's requests (``obs.probing``) are held to no declared
 # policy, as they are counted in no coverage and no metric: they are the
 # harness's instrument, not the check's workload.  Its steps are dry (nothing
 # computed), its long request is sized to the whole KV pool (beyond the
@@ -64,11 +64,9 @@ FAMILIES = ("retention", "hit-rate")
 # the memory invariants and the probe's own lifetime verdict.
 
 
-def declared_retention(session) -> dict | None:
+def declared_retention(obs) -> dict | None:
     """The implementation's declared policy, validated; None if it declares none."""
-    if not callable(getattr(session.impl, "retention", None)):
-        return None
-    decl = session.call("retention")
+    decl = obs.declared("retention")
     if decl is None:
         return None
     if not isinstance(decl, dict):
@@ -135,6 +133,7 @@ class RetentionChecker(Checker):
     def __init__(self, report: str):
         if report not in FAMILIES:
             raise ValueError(f"unknown retention check {report!r}")
+        super().__init__()
         self.name = report
         self.report = report
         self.decl: dict | None = None  # read from the implementation when attached
@@ -172,28 +171,28 @@ class RetentionChecker(Checker):
         return sorted(q for q in out if q > 0)
 
     # -- checker --------------------------------------------------------------------
-    def load(self, session) -> None:
+    def load(self, obs) -> None:
         """Read (and validate) the implementation's declared policy."""
-        self.decl = declared_retention(session)
-        self.B = session.layout.block_size
+        self.decl = declared_retention(obs)
+        self.B = obs.layout.block_size
 
-    def attached(self, session) -> None:
-        self.load(session)
+    def attached(self, obs) -> None:
+        self.load(obs)
 
-    def stepped(self, session, record) -> None:
-        if self.decl is None or session.probing:  # the pool probe's requests: see FAMILIES
+    def stepped(self, obs, record) -> None:
+        if self.decl is None or obs.probing:  # the pool probe's requests: see FAMILIES
             return
         plan, view_before, finished = record.plan, record.view_before, record.finished
-        now = INDEXES.get(session.last_view, self.B)
+        now = INDEXES.get(obs.last_view, self.B)
         if self.report == "hit-rate":
-            self._check_lookups(session, plan, view_before)
+            self._check_lookups(obs, plan, view_before)
         offered: list[tuple[str, int, tuple[int, ...]]] = []
         self.step_no += 1
         for rs in plan.requests:
-            track = session.tracks[rs.request_id]
+            track = obs.tracks[rs.request_id]
             qs = self.checkpoints(rs.start, rs.end, track.prompt_len, frozenset(q for q, _ in rs.snapshots))
             if self.decl["junctions"]:
-                qs += self._junction(session, view_before, track, rs)
+                qs += self._junction(obs, view_before, track, rs)
             if self.decl["admission"] == "second-hit":
                 qs += self._sighted(track.tokens, rs.start, rs.end)
             if rs.request_id in finished and self.decl["sequence_ends"]:
@@ -206,7 +205,7 @@ class RetentionChecker(Checker):
                     self.sightings[prefix] = self.sightings.get(prefix, 0) + 1
                     self.recorded.setdefault(prefix, self.step_no)
                     offered.append((rs.request_id, q, prefix))
-        cov = session.coverage
+        cov = self.coverage
         wanted: dict[tuple[int, ...], tuple[str, int, int]] = {}  # admitted checkpoints of this step
         for rid, q, prefix in offered:
             n = self.sightings[prefix]  # after the whole step: two requests may sight it together
@@ -226,18 +225,18 @@ class RetentionChecker(Checker):
                 wanted.setdefault(prefix, (rid, q, n))
         # running slots that ran a finished request to a state the policy does not keep
         spent = frozenset(rs.state_slot for rs in plan.requests if rs.request_id in finished
-                          and session.tracks[rs.request_id].tokens[: rs.end] not in wanted)
-        self._check_capacity(session, wanted, now, spent)
+                          and obs.tracks[rs.request_id].tokens[: rs.end] not in wanted)
+        self._check_capacity(obs, wanted, now, spent)
         # A state loaded from the second tier may be cached: the tier kept it
         # (the harness's own record of what loads brought in, not the view).
-        loaded = session.runner.transport.loaded_states
+        loaded = obs.loaded_states
         before = INDEXES.get(view_before, self.B)
         for prefix in now.states - before.states:
             if prefix not in self.admissible and prefix not in loaded:
                 self._fail("retention", f"a state after {len(prefix)} tokens was cached, a position the declared "
                                         f"policy {self._policy()} never checkpoints (or has not admitted yet)")
 
-    def _check_capacity(self, session, wanted: dict, now, spent: frozenset[int] = frozenset()) -> None:
+    def _check_capacity(self, obs, wanted: dict, now, spent: frozenset[int] = frozenset()) -> None:
         """Every checkpoint the policy admits is cached right after the step
         that reached it, as far as the cache has room: a step that reaches
         more checkpoints than there are state slots not held by running
@@ -246,11 +245,10 @@ class RetentionChecker(Checker):
         missing = [(p, info) for p, info in wanted.items() if p not in now.states]
         if not missing:
             return
-        room = state_room(session.last_view, session.layout.num_state_slots, spent)
+        room = state_room(obs.last_view, obs.layout.num_state_slots, spent)
         held = len(wanted) - len(missing)
         if held >= min(len(wanted), room):
-            session.coverage["checkpoints_beyond_capacity"] = (
-                session.coverage.get("checkpoints_beyond_capacity", 0) + len(missing))
+            self.count("checkpoints_beyond_capacity", len(missing))
             return
         _prefix, (rid, q, n) = missing[0]
         why = "reached" if self.decl["admission"] == "always" else f"sighted {n} times"
@@ -260,7 +258,7 @@ class RetentionChecker(Checker):
                                f"held by running requests" + (" nor spent running a finished one to a state the "
                                                              "policy does not keep" if spent else "") + ")")
 
-    def _junction(self, session, view_before, track, rs) -> list[int]:
+    def _junction(self, obs, view_before, track, rs) -> list[int]:
         """The request's junction: where the KV that other requests had cached
         when it was first scheduled (``plan_view``: an engine may register a
         request's blocks as it schedules them, so a request arriving in the
@@ -271,7 +269,7 @@ class RetentionChecker(Checker):
             # its own blocks: those past the hit that no one had cached before
             before = {e.block for e in view_before.cached_kv} if view_before is not None else set()
             own = set(rs.block_table[rs.start // self.B:]) - before
-            others = CacheView(cached_kv=tuple(e for e in session.plan_view.cached_kv if e.block not in own))
+            others = CacheView(cached_kv=tuple(e for e in obs.plan_view.cached_kv if e.block not in own))
             covered = ViewIndex.of(others, self.B).kv_servable(track.tokens[: track.prompt_len])
             unit = self.decl["junctions"]
             self.junctions[rid] = covered // unit * unit if covered > rs.start else 0
@@ -289,14 +287,14 @@ class RetentionChecker(Checker):
                 out.append(q)
         return out
 
-    def _check_lookups(self, session, plan, view_before) -> None:
+    def _check_lookups(self, obs, plan, view_before) -> None:
         """A new request reuses the longest prefix whose KV and state the cache
         held at every schedule() since it was submitted (see LookupWindow)."""
         # (an implementation that lists no KV in its view is never held to a
         # reuse: without KV, nothing is servable)
-        for rid, (_kv, best) in self.window.observe(session, plan, view_before).items():
+        for rid, (_kv, best) in self.window.observe(obs, plan, view_before).items():
             rs = next(r for r in plan.requests if r.request_id == rid)
-            session.coverage["state_lookups"] = session.coverage.get("state_lookups", 0) + 1
+            self.count("state_lookups")
             if rs.start < best:
                 self._fail("hit-rate", f"request {rid} reused {rs.start} tokens, but the cache held the KV and the "
                                        f"state of its first {best} tokens at every schedule() since it was submitted")

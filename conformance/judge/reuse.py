@@ -112,11 +112,11 @@ class LookupWindow:
         self.known = 0  # tracks seen so far
         self._session = None
 
-    def observe(self, session, plan, view_before) -> dict[str, tuple[int, int]]:
+    def observe(self, obs, plan, view_before) -> dict[str, tuple[int, int]]:
         """Update the window after a step; return the floors of the requests
         whose first step this plan was."""
-        self._sync(session)
-        tracks = session.tracks
+        self._sync(obs)
+        tracks = obs.tracks
         started = {rs.request_id for rs in plan.requests if tracks[rs.request_id].steps == 1}
         for rid in [r for r in self.pending if r not in started and (tracks[r].steps or tracks[r].done)]:
             self.pending.discard(rid)  # aborted before it started (a started one is handled below)
@@ -124,32 +124,32 @@ class LookupWindow:
         if not self.pending:
             return {}
         # what the cache held for a lookup: before schedule() and still after it
-        self._look(session, view_before, session.plan_view, self.pending)
+        self._look(obs, view_before, obs.plan_view, self.pending)
         out = {rid: self.floor.pop(rid) for rid in self.pending & started}
         self.pending -= started
         return out
 
-    def look(self, session, view_before, view_after) -> None:
+    def look(self, obs, view_before, view_after) -> None:
         """A schedule() that computed nothing (its plan carries transfers or
         copies only, so no step follows it): the waiting requests could have
         been matched there too.  Without it the window would miss the
         schedules in which a request waited for its own loads, and its floor
         would already count the blocks those loads brought in."""
-        self._sync(session)
+        self._sync(obs)
         if view_after is not None:  # None: a stall, nothing changed
-            self._look(session, view_before, view_after, [r for r in self.pending if not session.tracks[r].done])
+            self._look(obs, view_before, view_after, [r for r in self.pending if not obs.tracks[r].done])
 
-    def _sync(self, session) -> None:
-        if session is not self._session:  # one metrics object follows every session of a check
-            self._session, self.floor, self.pending, self.known = session, {}, set(), 0
-        tracks = session.tracks
+    def _sync(self, obs) -> None:
+        if obs is not self._session:  # one metrics object follows every session of a check
+            self._session, self.floor, self.pending, self.known = obs, {}, set(), 0
+        tracks = obs.tracks
         if len(tracks) > self.known:  # tracks only grow, in submission order: take the new ones
             keys = reversed(tracks)
             self.pending.update(next(keys) for _ in range(len(tracks) - self.known))
             self.known = len(tracks)
 
-    def _look(self, session, view_before, view_after, rids) -> None:
-        B, tracks = session.layout.block_size, session.tracks
+    def _look(self, obs, view_before, view_after, rids) -> None:
+        B, tracks = obs.layout.block_size, obs.tracks
         before, after = INDEXES.get(view_before, B), INDEXES.get(view_after, B)
         for rid in rids:
             prompt = tracks[rid].tokens[: tracks[rid].prompt_len]

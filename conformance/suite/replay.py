@@ -146,7 +146,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
         outcome.message = str(exc)
         outcome.failed_at = outcome.applied if session is not None else None
     if session is not None:
-        outcome.events = list(session.history.events) if keep_events else session.history.tail()
+        outcome.events = session.history.as_data() if keep_events else session.history.tail()
         outcome.coverage = dict(session.coverage)
     return outcome
 

@@ -1,0 +1,163 @@
+"""The machine's plumbing, shared by every rule group (:class:`MachineBase`):
+it builds the session, applies each operation the rules make (recording it,
+and the failure it raises), applies the pool probe after an example, and
+leaves the example's coverage and notes in the recorder."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+
+from hypothesis import note
+from hypothesis.stateful import RuleBasedStateMachine, invariant
+
+from conformance.contract import ImplConfig
+from conformance.errors import Abandoned, ConformanceFailure, ImplementationError
+from conformance.generate import strategies
+from conformance.generate.configured import Conf, configured_rule
+from conformance.generate.probe import pool_probe
+from conformance.generate.recorder import Recorder
+from conformance.generate.spec import CheckSpec, mixed
+from conformance.harness.ops import HoldTransfers, Op, op_to_dict
+from conformance.harness.oracle import Oracle
+from conformance.harness.session import Session, make_session
+from conformance.judge import standard_checkers
+from conformance.judge.invariants import NO_KV_REFCOUNTS, NO_STATE_REFCOUNTS
+from conformance.model import ModelConfig, TinyHybrid
+
+# The pool probe's sampling (see MachineBase._probe_due).
+PROBE_EVERY = 20
+
+
+class MachineBase(RuleBasedStateMachine):
+    """Plumbing shared by the rule groups: the session, the operations applied,
+    the pool probe after an example, what the example leaves in the recorder.
+
+    The rule groups are its subclasses; :class:`~conformance.generate.machine.HybridCacheMachine`
+    composes them and binds their rules to a configuration
+    (:mod:`conformance.generate.configured`)."""
+
+    session: Session
+    conf: Conf | None = None  # set on the bound subclasses
+
+    def __init__(self, impl_factory, spec: CheckSpec | None = None, *, model: TinyHybrid | None = None,
+                 oracle: Oracle | None = None, impl_config: ImplConfig | None = None,
+                 timeout: float | None = 30.0, recorder: Recorder | None = None,
+                 attach: Callable[[Session], None] | None = None, probe: bool = True):
+        super().__init__()
+        self.impl_factory = impl_factory
+        self.spec = spec or mixed()
+        self.model = model or TinyHybrid(ModelConfig())
+        self.oracle = oracle or Oracle(self.model)
+        self.impl_config = impl_config or self.spec.impl_config()
+        self.timeout = timeout
+        self.recorder = recorder or Recorder()
+        # Called with each new session: more checkers (metrics), environment faults.
+        self.attach = attach
+        # The pool probe after each example (generate/probe.py): black-box leak detection.
+        self.probe = probe
+        self.failed = False
+        self.B = self.impl_config.block_size
+        self.max_len = self.spec.max_seq_blocks * self.B
+        self.session = None  # type: ignore[assignment]
+        self.ops: list[Op] = []
+        self.next_id = 0
+        self.finished: list[str] = []
+        self.recorder.examples += 1
+
+    def enabled(self, rule_group: str) -> bool:
+        return rule_group in self.spec.rules
+
+    @configured_rule(first=True, bases=lambda c: strategies.shared_prefixes(c.vocab, c.B, c.spec.max_prompt_blocks))
+    def start(self, bases):
+        self.bases = bases
+        try:
+            self.session = make_session(self.impl_factory, self.impl_config, self.model, self.oracle,
+                                        standard_checkers(self.spec.observe), timeout=self.timeout)
+        except ImplementationError as exc:
+            self._found(exc)
+            raise
+        if self.attach is not None:
+            self.attach(self.session)
+        if self.enabled("transfers"):  # the wire's timing becomes the generator's (Transfers below)
+            self.apply(HoldTransfers())
+
+    def apply(self, op: Op) -> None:
+        note(repr(op))
+        self.ops.append(op)
+        self.recorder.steps += 1
+        try:
+            self.session.apply(op)
+        except (ConformanceFailure, ImplementationError) as exc:
+            self._found(exc)
+            raise
+        self.finished = [rid for rid, t in self.session.tracks.items() if t.done and t.generated > 0]
+
+    def _found(self, exc: ConformanceFailure | ImplementationError) -> None:
+        """Record a finding; a hang abandons the check at once (:class:`Abandoned`:
+        no replay of the example, no later call of the implementation)."""
+        self.failed = True
+        rec = self.recorder
+        rec.failure = (exc, [op_to_dict(o) for o in self.ops],
+                       self.session.history.tail(64) if self.session is not None else [])
+        if rec.first_failure is None:
+            rec.first_failure = (rec.examples, round(time.perf_counter() - rec.started, 3))
+        if isinstance(exc, ImplementationError) and exc.kind == "timeout":
+            raise Abandoned(exc) from None
+
+    def teardown(self):
+        try:
+            if self.session is not None and self.probe and not self.failed and self._probe_due():
+                # At idle the cache must still serve what a fresh instance serves:
+                # a leaked block or slot fails here, whatever its view says.
+                try:
+                    probe = pool_probe(self.impl_factory, self.impl_config, self.model, self.oracle, self.timeout)
+                except ImplementationError as exc:  # a fresh instance hung while it was measured
+                    self._found(exc)
+                    raise
+                if probe is not None:
+                    self.apply(probe)
+        finally:
+            if self.session is not None:
+                for k, v in self.session.coverage.items():
+                    self.recorder.coverage[k] = self.recorder.coverage.get(k, 0) + v
+                self.recorder.notes |= self.session.notes
+            if self.recorder.on_example:
+                self.recorder.on_example(self.recorder)
+
+    def _probe_due(self) -> bool:
+        """The pool probe costs about one engine step per KV block: it runs
+        after one example in PROBE_EVERY, and after every example whose views
+        stated no refcounts (nothing else can show a leak then).  Which
+        examples is decided by their operations, never by a count: Hypothesis
+        replays a failing example and must see it fail again."""
+        if any(note in self.session.notes for note in (NO_KV_REFCOUNTS, NO_STATE_REFCOUNTS)):
+            return True
+        return zlib.crc32(repr(self.ops).encode()) % PROBE_EVERY == 0
+
+    def fits(self, length: int, max_new: int) -> bool:
+        """Keep concurrency within the layout so a correct cache never stalls."""
+        B, cfg = self.B, self.impl_config
+        active = [self.session.tracks[r] for r in self.session.active()]
+        if len(active) >= self.spec.max_active or length + max_new > self.max_len:
+            return False
+        need = sum(-(-(t.prompt_len + t.max_new) // B) + 1 for t in active) + -(-(length + max_new) // B) + 1
+        return need <= cfg.num_kv_blocks and 2 * (len(active) + 1) <= cfg.num_state_slots
+
+    def new_id(self) -> str:
+        self.next_id += 1
+        return f"r{self.next_id}"
+
+    def busy(self) -> bool:
+        return self.session is not None and bool(self.session.active())
+
+    @invariant()
+    def harness_bookkeeping_is_sane(self):
+        """The harness's own record never runs ahead of itself (a harness bug
+        here would make every other verdict meaningless)."""
+        if self.session is None:
+            return
+        for rid, t in self.session.tracks.items():
+            assert t.generated <= t.max_new, f"{rid}: generated {t.generated} of {t.max_new}"
+            assert t.computed is None or t.computed <= len(t.tokens), f"{rid}: computed past its tokens"

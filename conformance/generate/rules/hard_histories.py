@@ -1,0 +1,158 @@
+"""The histories a uniform draw almost never reaches (issue 14)."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from conformance.generate import strategies
+from conformance.generate.configured import configured_rule
+from conformance.generate.rules.base import MachineBase
+from conformance.generate.rules.draws import DIVERGING, junk_prompts
+from conformance.harness.ops import Abort, Drain, Step, Submit
+
+
+class HardHistories(MachineBase):
+    """The histories a uniform draw almost never reaches (issue 14): pressure
+    while requests are mid-prefill and mid-decode, several cold prefills of
+    one prefix in one step, a prefix cached, displaced and requested again,
+    prompts that diverge from a cached one at every offset inside a block,
+    and aborts of requests that are running.  Each group has its own name in
+    ``CheckSpec.rules``; their coverage is counted by
+    :class:`conformance.judge.hard_coverage.HardHistoryCoverage`."""
+
+    @configured_rule(precondition=lambda self: self.enabled("live-pressure") and self.busy(),
+                     prompt=lambda c: strategies.tokens(c.vocab, max(2 * c.B, min(c.max_len, c.num_kv_blocks // 2
+                                                                                   * c.B) - 1)),
+                     cut=lambda c: st.integers(2, 4), budget=lambda c: strategies.budgets(c.B))
+    def pressure_while_running(self, prompt, cut, budget):
+        """A long distinct prompt arrives while others run, and a step runs at
+        once: its allocations evict while the others are mid-prefill or
+        mid-decode (and, with a request waiting on a hit, between its match
+        and its use).
+
+        Until the cache evicts, another distinct prompt (the drawn one with
+        every token shifted) arrives with the next step, as many as the KV
+        pool the implementation reports could hold, plus one.  One prompt
+        turns over a pool only where the pool is small next to it (the
+        reference's 10 state slots, a snapshot per block); where one pool of
+        blocks holds KV and the few states a cache keeps, and never-used
+        blocks go first (vLLM: ``BlockPool.free_blocks`` queues unhashed
+        blocks ahead of cached ones), nothing is evicted before about a
+        pool's worth of distinct blocks was computed, which one example's
+        prompts of at most ``max_seq_blocks`` rarely reach (vLLM, 28 blocks:
+        2 evictions while running in pressure-while-running's quick run,
+        against the reference's 141).  Once the pool is warm, the first
+        prompt evicts and the rule ends there."""
+        prompt = prompt[: max(2 * self.B, len(prompt) * cut // 4)]
+        evicted = self.session.evicted  # the session's fact, not a checker's counter
+        rounds = min(self.vocab, self.session.layout.num_kv_blocks // -(-len(prompt) // self.B) + 1)
+        for i in range(rounds):
+            if i and (self.session.evicted > evicted or not self.busy()):
+                break
+            distinct = tuple((t + i) % self.vocab for t in prompt)  # i = 0: the drawn prompt
+            if self.fits(len(distinct), 1):
+                self.apply(Submit(self.new_id(), distinct, 1))
+            self.apply(Step(budget))
+
+    @configured_rule(precondition=lambda self: self.enabled("burst") and self.session is not None,
+                     base=lambda c: st.integers(0, 2),
+                     cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
+                     copies=lambda c: st.integers(2, 3), suffix=lambda c: strategies.tokens(c.vocab, c.B + 1),
+                     ends=lambda c: st.lists(st.integers(0, c.B + 1), min_size=3, max_size=3))
+    def same_prefix_burst(self, base, cut, copies, suffix, ends):
+        """Several requests with one cold prefix, scheduled in one step: each
+        reaches the same checkpoints at the same time.  The copies repeat or
+        extend one another, or (``apart``: the last length drawn is odd) each
+        continues past the prefix with a token of its own and at least a block
+        more, so that the state it caches at its prompt's end (or the block
+        boundary before it) lies past the shared prefix: a cache that will not
+        start a request on a state another request caches in the same step
+        (vLLM's MambaManager.get_num_blocks_to_allocate defers it to the next
+        step) starts only such copies together, cold.  Steps first (at most
+        eight) until two more requests have room: with every request slot
+        taken no copy fit, and the burst was a bare step.  ``apart`` comes from
+        a draw the rule already made, so the checks keep their choice sequences."""
+        prefix = self.bases[base][:cut] + suffix
+        apart = ends[-1] % 2 == 1
+        for _ in range(8):
+            if len(self.session.active()) + 2 <= self.spec.max_active:
+                break
+            self.apply(Step(1024))
+        for i, n in enumerate(ends[:copies]):
+            # two tokens each: after the step the copies are mid-decode, so what
+            # their allocations evicted was evicted while requests ran
+            if apart:
+                self._submit_if_fits(prefix + ((suffix[-1] + 1 + i) % self.vocab,) + suffix[:max(n, self.B)], 2)
+            else:
+                self._submit_if_fits(prefix + suffix[:n], 2)
+        self.apply(Step(1024))
+
+    @configured_rule(precondition=lambda self: self.enabled("aba") and self.session is not None
+                     and not self.session.active() and self.finished,
+                     which=lambda c: st.integers(0, 7), junk=junk_prompts)
+    def displaced_and_requested_again(self, which, junk):
+        """A -> B -> A: a finished prompt, displaced by distinct prompts, asked for again."""
+        prev = self.session.tracks[self.finished[which % len(self.finished)]]
+        for prompt in junk:
+            self.apply(Submit(self.new_id(), prompt, 1))
+            self.apply(Drain(1024))
+        self._submit_if_fits(prev.tokens[: prev.prompt_len], 1)
+        if self.enabled("transfers"):
+            self.apply(Step(1))  # the tier issues its loads: they are pending for the rules of Transfers
+
+    @configured_rule(precondition=lambda self: self.enabled("diverge") and self.session is not None
+                     and self.session.tracks, **DIVERGING)
+    def diverge_inside_a_block(self, which, k, offset, tail, rest, max_new):
+        """A prompt that agrees with an earlier sequence up to ``k*B + offset``
+        (or up to one token into that sequence's partial tail) and differs at
+        the next token: a divergence at every offset inside a block.  One
+        draw in three submits the sequence cut there instead (a prompt whose
+        hit ends inside a block)."""
+        rids = list(self.session.tracks)
+        seq = self.session.tracks[rids[which % len(rids)]].tokens
+        at = len(seq) // self.B * self.B + 1 if tail and len(seq) % self.B > 1 else k * self.B + offset
+        if not 0 < at < len(seq):
+            return
+        if rest[0] % 3 == 0 and at % self.B:
+            # or the cached sequence cut there: a prompt whose hit ends inside a block
+            self._submit_if_fits(seq[:at], max_new)
+            return
+        other = (seq[at] + 1 + rest[0] % (self.vocab - 1)) % self.vocab  # never the cached token
+        self._submit_if_fits(seq[:at] + (other,) + rest[1:], max_new)
+
+    @configured_rule(precondition=lambda self: self.enabled("live-abort") and self.busy(),
+                     which=lambda c: st.integers(0, 7), decode=lambda c: st.booleans(),
+                     budget=lambda c: st.sampled_from(sorted({1, 2, c.B - 1, c.B + 1} - {0})))
+    def abort_running(self, which, decode, budget):
+        """Abort a request that has run: mid-decode, or mid-prefill (after its
+        hit, which the step budget cuts short).  Steps first until it is there.
+        Mid-decode only a request that asked for two tokens or more: one that
+        asked for one finishes in the step that ends its prefill."""
+        tracks = self.session.tracks
+        active = [r for r in self.session.active()
+                  if (tracks[r].max_new > 1 if decode
+                      else tracks[r].computed is None or tracks[r].computed < tracks[r].prompt_len)]
+        if not active:
+            return
+        rid = active[which % len(active)]
+        for _ in range(8 if decode else 24):  # small budgets go to the requests ahead of it first
+            t = self.session.tracks[rid]
+            if t.done:
+                return
+            there = (t.computed is not None and t.computed >= t.prompt_len if decode
+                     else t.computed is not None and t.computed < t.prompt_len)
+            if there:
+                self.apply(Abort(rid))
+                return
+            if not decode and t.computed is not None:
+                return  # its prefill is over
+            # ahead of it, each running request takes at most a block's chunk
+            self.apply(Step(1024 if decode else self.B * (len(self.session.active()) - 1) + budget))
+
+    @property
+    def vocab(self) -> int:
+        return self.model.config.vocab_size
+
+    def _submit_if_fits(self, prompt, max_new) -> None:
+        if self.fits(len(prompt), max_new):
+            self.apply(Submit(self.new_id(), tuple(prompt), max_new))

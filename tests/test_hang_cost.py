@@ -56,3 +56,24 @@ def test_a_hang_costs_one_timeout_a_check(factory, method, check):
     res = run_single_check(factory, check, RunOptions(examples=5, steps=6, seed=0, timeout=0.3, write_reports=False))
     assert res.status == "error" and res.failure.kind == "timeout", (res.status, res.failure)
     assert ENTERED[method] == 1, ENTERED
+
+
+class RejectsRetentionOptions(ReferenceCache):
+    """Declares no retention policy and refuses options it does not know (SGLang's adapter does)."""
+
+    retention = None
+
+    def __init__(self, config=None):
+        if config is not None and {"interval", "admission"} & set(config.options):
+            raise ValueError("unknown option(s) interval, admission")
+        super().__init__(config)
+
+
+def test_a_retention_check_skips_a_class_without_retention_before_building_it():
+    """Building once for the layout and the declared retention must not build
+    a class that declares no retention with the check's retention options
+    (the SGLang adapter errored 'unknown sglang option(s) interval' instead
+    of the check being skipped)."""
+    res = run_single_check(RejectsRetentionOptions, "retention-hit-rate",
+                           RunOptions(examples=2, steps=4, seed=0, write_reports=False))
+    assert res.status == "skipped" and "declares no retention policy" in res.reason, (res.status, res.failure)

@@ -121,6 +121,8 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
     asked = check_impl_config(spec, opts, tier_option)
+    if spec.observe and isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
+        return _no_retention(spec, asked)  # known without building it (its options may not be this check's)
     try:
         # One instance answers both questions when it keeps the block size asked
         # for (building an engine twice costs seconds); a hang ends the check here.
@@ -151,10 +153,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
            "cannot judge what it reuses from its second tier",) if untiered else ()
     notes.extend(why)
     if spec.observe and declared is None:
-        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
-                           options=parse_variant_id(spec.id)[1],
-                           reason=f"the implementation declares no retention policy (optional retention() "
-                                  f"method) for the options {impl_config.options}")
+        return _no_retention(spec, impl_config)
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
                                                     steps=r.steps, of=examples))
     cache_metrics = CacheMetrics()
@@ -187,6 +186,13 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
                        options=parse_variant_id(spec.id)[1], examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
+
+
+def _no_retention(spec: CheckSpec, impl_config) -> CheckResult:
+    return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                       options=parse_variant_id(spec.id)[1],
+                       reason=f"the implementation declares no retention policy (optional retention() "
+                              f"method) for the options {impl_config.options}")
 
 
 def _abandoned(spec: CheckSpec, error: ImplementationError) -> CheckResult:

@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from conformance.errors import TransferFailed
 from conformance.harness.transport import HostEntry, Payload, TransportHooks
+
+if TYPE_CHECKING:
+    from conformance.harness.session import Session
 
 MAX_WHERE = 50  # places recorded per fault (the count keeps going)
 
@@ -46,7 +50,7 @@ class Trigger:
 
     @classmethod
     def parse(cls, spec: str) -> Trigger:
-        kw = {}
+        kw: dict[str, Any] = {}
         names = {"p": "probability", **{f.name: f.name for f in fields(cls)}}
         for part in filter(None, spec.split(":")):
             key, sep, value = part.partition("=")
@@ -78,7 +82,7 @@ class Fault(TransportHooks):
         self.consumed = 0  # firings whose effect reached a computed step or the implementation
         self.opportunities = 0
         self.where: list[dict] = []
-        self.session = None
+        self.session: Session | None = None  # the session it is attached to
 
     def attach(self, session) -> None:
         self.session = session
@@ -86,6 +90,7 @@ class Fault(TransportHooks):
         session.runner.transport.hooks.append(self)
 
     def should_fire(self, transfer) -> bool:
+        assert self.session is not None, "a fault fires only once attached"
         self.opportunities += 1
         t = self.trigger
         if t.step is not None and self.session.step_no != t.step:
@@ -102,6 +107,7 @@ class Fault(TransportHooks):
         return self.rng.random() < t.probability
 
     def record(self, transfer, what: str) -> None:
+        assert self.session is not None, "a fault fires only once attached"
         self.fired += 1
         self.fired_here += 1
         self.session.runner.transport.fired(self.name, transfer, what, on_consumed=self._consumed)
@@ -263,9 +269,6 @@ class FaultSet:
 
     def report(self) -> dict[str, dict]:
         return {f.name: f.report() for f in self.faults}
-
-    def not_exercised(self) -> list[str]:
-        return [f.name for f in self.faults if not f.consumed]
 
 
 def build_faults(names: tuple[str, ...], seed: int) -> FaultSet:

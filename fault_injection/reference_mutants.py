@@ -200,7 +200,7 @@ def short_chunk_conv_overwrite(factory):
 
     def _plan_request(self, req, budget):
         step = ReferenceCache._plan_request(self, req, budget)
-        if (step is not None and step.state_init.kind == "copy"
+        if (step is not None and step.state_init.kind == "copy" and step.state_init.source is not None
                 and step.end - step.start < CONV_WIDTH - 1):
             req.init = step.state_init  # next step copies what the shared slot now holds
             return replace(step, state_slot=step.state_init.source, state_init=RESUME)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,10 @@ def instance_mutant(name: str, apply: Callable, default_name: str):
     tier option of the one it wraps."""
 
     def wrap(factory):
-        def build(config):
+        def built(config):
             return apply(factory(config))
 
+        build: Any = built  # a factory that carries its implementation's name, version and tier option
         build.name = getattr(factory, "name", default_name)
         build.version = getattr(factory, "version", "unknown")
         build.tier_option = getattr(factory, "tier_option", None)

@@ -58,8 +58,9 @@ def unwritten_track_committed(adapter):
 
     def prepare_track(batch, req):
         entry = original(batch, req)
-        return dataclasses.replace(entry, track_mask=False) if dataclasses.is_dataclass(entry) \
-            else entry._replace(track_mask=False)
+        if dataclasses.is_dataclass(entry) and not isinstance(entry, type):
+            return dataclasses.replace(entry, track_mask=False)
+        return entry._replace(track_mask=False)
 
     adapter.prepare_track = prepare_track
     return adapter
@@ -126,7 +127,7 @@ SGLANG_MUTANTS: dict[str, Callable] = {
 # The configuration each buggy code path needs: track rows exist only in
 # extra_buffer mode (page 4, tracked every 4 tokens); the lock walk needs the
 # Python tree core (the Rust core's nodes are opaque handles).
-OPTIONS = {
+OPTIONS: dict[str, dict] = {
     "sglang-stale-track-row": {"page_size": 4, "track_interval": 4},
     "sglang-unwritten-track-committed": {"page_size": 4, "track_interval": 4},
     "sglang-lock-over-release": {"tree_core": "python"},

@@ -12,6 +12,7 @@ reference, invariants), never through a check written for one of them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from fault_injection.registry import instance_mutant, register
 
@@ -52,7 +53,7 @@ def groups_not_reconciled(adapter):
     for idx, group in enumerate(coord.attention_groups):
         if not isinstance(group.spec, MambaSpec):
             continue
-        base = group.manager_cls
+        base: Any = group.manager_cls  # a class known at run time only
 
         class Unreconciled(base):  # a subclass per adapter: vLLM's class itself is not touched
             @classmethod

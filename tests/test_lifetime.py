@@ -8,10 +8,10 @@ import pytest
 from conformance.adapters.reference import ReferenceCache
 from conformance.contract import CachedKV, CacheView, ImplConfig, Layout, StepPlan
 from conformance.errors import ConformanceFailure
-from conformance.generate.probe import pool_probe
+from conformance.generate.probe_sizing import pool_probe
 from conformance.harness.memory import Memory
 from conformance.harness.ops import Drain, Probe, Step, Submit, op_from_dict, op_to_dict
-from conformance.harness.probe import probe_prompts
+from conformance.harness.probe_prompts import probe_prompts
 from conformance.judge import judged_session
 from conformance.judge.invariants import NO_KV_REFCOUNTS, check_view
 from conformance.suite.checks import CHECKS
@@ -91,6 +91,21 @@ def test_never_free_cache_fails_the_probe(model, oracle):
         s.apply(pool_probe(NeverFreeCache, CFG, model, oracle))
     assert exc.value.kind == "invariant" and str(exc.value).startswith("lifetime:"), exc.value
     assert "leaked" in str(exc.value)
+
+
+def test_without_the_lifetime_judge_an_unserved_probe_is_still_a_stall(model, oracle):
+    """The session executes the probe, the judge (conformance.judge.lifetime)
+    gives the verdict; a session composed without it reports the stall, never a pass."""
+    from conformance.harness.session import make_session
+    from conformance.judge import standard_checkers
+    from conformance.judge.lifetime import PoolProbeServed
+
+    checkers = [c for c in standard_checkers() if not isinstance(c, PoolProbeServed)]
+    s = make_session(NeverFreeCache, CFG, model, oracle, checkers, timeout=10)
+    busy(s)
+    with pytest.raises(ConformanceFailure) as exc:
+        s.apply(pool_probe(NeverFreeCache, CFG, model, oracle))
+    assert exc.value.kind == "stall", exc.value
 
 
 def test_a_leaked_state_slot_fails_the_concurrent_probe(model, oracle):

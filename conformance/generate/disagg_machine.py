@@ -160,7 +160,7 @@ class DisaggMachine(RuleBasedStateMachine):
             self.transport_name = self.session.transport_name
             note(f"pairing {self.pairing}: {self.impl_config.options} over {self.transport_name}")
             layouts = self.session.layouts
-            self.block = {PREFILL: layouts.prefill.block_size, DECODE: layouts.decode.block_size}
+            self.block: dict[str, int] = {PREFILL: layouts.prefill.block_size, DECODE: layouts.decode.block_size}
         return self.session
 
     def apply(self, op: dops.Op) -> None:

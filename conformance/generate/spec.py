@@ -6,6 +6,7 @@ catalogue of checks lives in :mod:`conformance.suite.checks`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from conformance.contract import ImplConfig
 
@@ -37,8 +38,8 @@ class CheckSpec:
     disagg: bool = False
 
     def impl_config(self, **overrides) -> ImplConfig:
-        base = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
-                "num_state_slots": self.num_state_slots, "options": dict(self.options)}
+        base: dict[str, Any] = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
+                                "num_state_slots": self.num_state_slots, "options": dict(self.options)}
         base.update({k: v for k, v in overrides.items() if v is not None})
         return ImplConfig(**base)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def resolve(name_or_path: str) -> Path:
 
 def load(name_or_path: str, vocab: int = VOCAB) -> list[WorkloadRequest]:
     path = resolve(name_or_path)
-    out, ids = [], set()
+    out: list[WorkloadRequest] = []
+    ids: set[str] = set()
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -108,7 +110,8 @@ def parse(d: dict, where: str, vocab: int, known: set[str]) -> WorkloadRequest:
             raise ValueError(f"{where}: continues {cont!r}, which no earlier line defines")
         if "prompt" in d:
             raise ValueError(f"{where}: a continuation has append, not prompt")
-        prompt, append = (), tokens("append", True)
+        prompt: tuple[int, ...] = ()
+        append = tokens("append", True)
     else:
         prompt, append = tokens("prompt", True), ()
     max_new = d.get("max_new_tokens", 1)
@@ -125,7 +128,8 @@ def parse(d: dict, where: str, vocab: int, known: set[str]) -> WorkloadRequest:
 def _distinct_blocks(rng: random.Random, n: int) -> list[tuple[int, ...]]:
     """n distinct one-block prefixes that also differ in their first token
     where possible, so one-off prefixes share (almost) no KV either."""
-    seen, out = set(), []
+    seen: set[tuple[int, ...]] = set()
+    out: list[tuple[int, ...]] = []
     while len(out) < n:
         b = tuple(rng.randrange(VOCAB) for _ in range(BLOCK))
         if b not in seen:
@@ -177,7 +181,8 @@ def _shuffled(rng: random.Random, lines: list[dict]) -> list[dict]:
     return lines
 
 
-GENERATORS = {"heavy-tail": heavy_tail, "flat-k2": flat, "agent-sessions": agent_sessions}
+GENERATORS: dict[str, Callable[[], list[dict]]] = {"heavy-tail": heavy_tail, "flat-k2": flat,
+                                                   "agent-sessions": agent_sessions}
 
 
 def write_bundled(directory: Path = WORKLOAD_DIR) -> None:

@@ -29,7 +29,10 @@ Phases, in the order a session meets them, each with its event:
 - ``stepped(obs, StepRecord)``: the step is over (``update()`` returned);
 - ``settled(obs, Settled)``: memory at rest after a step, a transfer-only
   step or an abort; ``idle``: nothing active or in flight;
-- ``aborted(obs, Aborted)``.
+- ``aborted(obs, Aborted)``;
+- ``probed(obs, ProbeStep | ProbeStall)``: the pool probe's moments
+  (:mod:`conformance.harness.pool_probe`; its steps are dry: capacity, not
+  logits), from which :mod:`conformance.judge.lifetime` makes its verdict.
 
 Those moments carry what the record (:mod:`conformance.harness.history`) does
 not keep (views, logits); the record's own events are in ``obs.history``.
@@ -46,12 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 from conformance.contract import CacheView, Request, StepPlan, TransferDone
 from conformance.errors import ConformanceFailure, HarnessError, ImplementationError
+from conformance.harness.ops import Probe
 from conformance.harness.runner import Executed
 
 if TYPE_CHECKING:
     from conformance.harness.observation import Observation
 
-PHASES = ("attached", "submitted", "scheduled", "computed", "stepped", "settled", "aborted")
+PHASES = ("attached", "submitted", "scheduled", "computed", "stepped", "settled", "aborted", "probed")
 
 
 # -- the moments a checker is shown ---------------------------------------------------------
@@ -90,9 +94,36 @@ class Aborted:
     request_id: str
 
 
+@dataclass(frozen=True)
+class ProbeStep:
+    """The pool probe's concurrent part ran one step: ``plan`` is what the
+    implementation scheduled of the short requests ``ids`` submitted together."""
+
+    probe: Probe
+    ids: tuple[str, ...]
+    plan: StepPlan
+
+
+@dataclass(frozen=True)
+class ProbeStall:
+    """A part of the pool probe could not be served: its drain stalled.
+
+    ``part``: ``"concurrent"`` (the short requests) or ``"long"`` (the
+    ``probe.kv_tokens``-token request); ``held``: the longest proper prefix of
+    the long prompt whose state a slot held when it was submitted (memory's
+    provenance; 0 for the concurrent part); ``stall``: the stall's message."""
+
+    probe: Probe
+    part: str
+    requests: int
+    held: int
+    stall: str
+
+
 #: The phase that shows each kind of event.
 PHASE_OF: dict[type, str] = {Submitted: "submitted", Scheduled: "scheduled", Executed: "computed",
-                             StepRecord: "stepped", Settled: "settled", Aborted: "aborted"}
+                             StepRecord: "stepped", Settled: "settled", Aborted: "aborted",
+                             ProbeStep: "probed", ProbeStall: "probed"}
 
 
 class Checker:
@@ -123,6 +154,8 @@ class Checker:
     def settled(self, obs: Observation, ev: Settled) -> None: ...
 
     def aborted(self, obs: Observation, ev: Aborted) -> None: ...
+
+    def probed(self, obs: Observation, ev: ProbeStep | ProbeStall) -> None: ...
 
 
 @dataclass

@@ -160,3 +160,13 @@ class Memory:
 
     def state_holds(self, slot: int) -> tuple[Prefix | None, Prefix | None]:
         return self.conv_prov[slot], self.ssm_prov[slot]
+
+    def state_prefix_held(self, prompt: Prefix) -> int:
+        """The longest proper prefix of ``prompt`` whose whole state (conv and
+        matrix) some slot holds, by provenance."""
+        held = 0
+        for slot in range(self.layout.num_state_slots):
+            conv, ssm = self.state_holds(slot)
+            if conv is not None and conv == ssm and held < len(conv) < len(prompt) and prompt[:len(conv)] == conv:
+                held = len(conv)
+        return held

@@ -18,14 +18,14 @@ the pair shares (the transfers between them).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from conformance.contract import CacheView, Layout, Transfer
 
 if TYPE_CHECKING:
-    from conformance.harness.history import History
+    from conformance.harness.history import Event
     from conformance.harness.memory import Memory, Prefix
     from conformance.harness.transport import HostStore
 
@@ -44,6 +44,17 @@ class Track:
     done: bool = False
 
 
+class Record(Protocol):
+    """The session's history as a checker reads it (its recording methods are the session's)."""
+
+    @property
+    def events(self) -> Sequence[Event]: ...
+
+    def since(self, index: int) -> Sequence[Event]: ...
+
+    def issued(self, transfer_id: int) -> Transfer | None: ...
+
+
 class Observation(Protocol):
     """The read-only face of a session that its checkers see."""
 
@@ -57,7 +68,7 @@ class Observation(Protocol):
     def tracks(self) -> Mapping[str, Track]: ...
 
     @property
-    def history(self) -> History: ...
+    def history(self) -> Record: ...
 
     @property
     def step_no(self) -> int:

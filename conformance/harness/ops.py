@@ -43,12 +43,13 @@ class Abort:
 
 @dataclass(frozen=True)
 class Probe:
-    """The pool probe (a black-box lifetime check, see
-    :meth:`conformance.harness.session.Session.probe`): finish what is
+    """The pool probe (a black-box lifetime check, executed by
+    :mod:`conformance.harness.pool_probe`, judged by
+    :mod:`conformance.judge.lifetime`): finish what is
     active, then at idle submit ``concurrent`` short requests together (a
     fresh instance schedules ``expect`` of them in its first step) and then
     one ``kv_tokens``-token request (a fresh instance serves it).  Its prompts
-    are fixed by these numbers (:func:`conformance.harness.probe.probe_prompts`)."""
+    are fixed by these numbers (:func:`conformance.harness.probe_prompts.probe_prompts`)."""
 
     kv_tokens: int
     concurrent: int = 0
@@ -102,12 +103,13 @@ OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "ab
                              "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict}
 # The disaggregated family's operations (applied to a DisaggSession, not a Session).
 from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
+from conformance.harness.disagg.ops import Op as DisaggOp  # noqa: E402
 
 OP_TYPES.update(_DISAGG_OPS)
 _NAMES = {cls: name for name, cls in OP_TYPES.items()}
 
 
-def op_to_dict(op: Op) -> dict:
+def op_to_dict(op: Op | DisaggOp) -> dict:
     d = {"op": _NAMES[type(op)], **asdict(op)}
     if "prompt" in d:
         d["prompt"] = list(d["prompt"])

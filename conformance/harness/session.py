@@ -1,7 +1,10 @@
 """A session: one implementation, one memory, one model, one oracle, and the
 checkers that judge it.
 
-It applies operations (:mod:`conformance.harness.ops`), drives the
+It applies operations (:mod:`conformance.harness.ops`): this module holds
+their dispatch and the small ones (submit, abort, drain, the transfer
+decisions); one engine step is :mod:`conformance.harness.step`'s, the pool
+probe's execution :mod:`conformance.harness.pool_probe`'s.  It drives the
 implementation step by step, executes each plan with the runner and records
 everything in its history; after each phase it shows what happened to its
 checkers (:mod:`conformance.harness.checker`), with a read-only observation of
@@ -17,44 +20,41 @@ never asks a checker's counters what to do.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from conformance.contract import (
     OPTIONAL_METHODS,
     CacheImplementation,
     CacheView,
-    ContractError,
     ImplConfig,
     ImplFactory,
     Layout,
     Request,
     StepPlan,
-    StepResult,
     Transfer,
     missing_methods,
 )
 from conformance.errors import ConformanceFailure
-from conformance.harness.checker import Aborted, Checker, CheckerSet, Scheduled, Settled, StepRecord, Submitted
-from conformance.harness.conflicts import plan_conflicts
+from conformance.harness.checker import Aborted, Checker, CheckerSet, Settled, Submitted
 from conformance.harness.guard import guarded
 from conformance.harness.history import History
 from conformance.harness.memory import Memory, Prefix
-from conformance.harness.observation import Track
+from conformance.harness.observation import Record, Track
 from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
 from conformance.harness.oracle import Oracle
-from conformance.harness.probe import SHORT_LEN, probe_prompts
+from conformance.harness.pool_probe import PoolProbe
 from conformance.harness.runner import Runner
+from conformance.harness.step import Stepping
 from conformance.harness.transfer_control import TransferControl
 from conformance.harness.transport import HostStore
 from conformance.model import TinyHybrid
 
 MAX_DRAIN_STEPS = 400
-STALL_STEPS = 3
 
 
 @dataclass
-class Session:
+class Session(Stepping, PoolProbe):
     impl: CacheImplementation
     model: TinyHybrid
     oracle: Oracle
@@ -170,181 +170,6 @@ class Session:
             self._step(budget)
         raise ConformanceFailure("stall", f"requests {self.active()} still active after {MAX_DRAIN_STEPS} steps")
 
-    def _probe(self, op: Probe) -> None:
-        """The pool probe, a black-box lifetime check that believes nothing the
-        implementation says about itself: finish what is active; then, at idle,
-        ``op.concurrent`` short requests submitted together must be scheduled in
-        one step at least ``op.expect`` at a time, and one ``op.kv_tokens``-token
-        request must be served, as a fresh instance of the implementation does
-        (the numbers are measured on one, :mod:`conformance.generate.probe`).
-        Its steps are dry (the model is not run, nothing of memory's bytes
-        changes, only provenance): it ends the session.
-        A KV block or state slot held by nothing (leaked) makes that
-        impossible: an ``invariant`` failure whose message starts "lifetime:".
-        One that a transfer holds (of the probe's step: an offload the cache
-        queued at idle; or still in flight) is held, not leaked: it is
-        counted, and named in the message.
-        The concurrent part is inconclusive when a probe request reuses a
-        cached prefix (a hit may pin what it reuses)."""
-        self._drain(1024)
-        self.probing = self.runner.dry = True  # capacity, not logits: the steps are not computed
-        self._probes += 1
-        lay = self.layout
-        short, long = probe_prompts(self.model.config.vocab_size, op.kv_tokens, op.concurrent)
-        leaked = "KV blocks or state slots are held by nothing (leaked)"
-        try:
-            ids = [f"probe{self._probes}-c{i}" for i in range(len(short))]
-            for rid, prompt in zip(ids, short, strict=True):
-                self._submit(Submit(rid, prompt, 1))
-            if ids:
-                self.last_plan = None
-                self._step(SHORT_LEN * len(ids))
-                plan = self.last_plan or StepPlan()
-                ran = [rs for rs in plan.requests if rs.request_id in ids]
-                # Inconclusive when a probe request reuses a cached prefix or waits
-                # for a load: a correct cache may then pin more, or admit later.
-                reused = any(rs.start > 0 for rs in ran) or any(t.direction == "load" for t in plan.transfers)
-                # A transfer of that step, or one still in flight, holds its block or
-                # slot until it completes (an offload the cache queued at idle): each
-                # may keep one request out, and is no leak.
-                moving = sorted({(t.kind, t.device, t.direction)
-                                 for t in (*plan.transfers, *self.runner.transport.deferred)})
-                if len(ran) + len(moving) < op.expect and not reused:
-                    holders = ""
-                    if moving:
-                        what = ", ".join(f"{'KV block' if k == 'kv' else 'state slot'} {d} ({direction})"
-                                         for k, d, direction in moving[:4]) + (" ..." if len(moving) > 4 else "")
-                        holders = (f"; transfers of that step or in flight held {len(moving)} ({what}), and "
-                                   f"{op.expect - len(ran) - len(moving)} more")
-                    raise ConformanceFailure("invariant", f"lifetime: at idle, {len(ran)} of {len(ids)} "
-                                                          f"{SHORT_LEN}-token requests submitted together were "
-                                                          f"scheduled in one step; a fresh instance schedules "
-                                                          f"{op.expect}{holders}: {leaked}")
-                self._probe_drain(f"{len(ids)} {SHORT_LEN}-token requests", leaked)
-            if op.kv_tokens:
-                self._submit(Submit(f"probe{self._probes}-kv", long, 1))
-                need = -(-op.kv_tokens // lay.block_size)
-                # Not only a leak starves it: a cache whose hit on a held prefix needs
-                # more of the pool than recomputing (a copy-on-write of a partial
-                # block) and that never recomputes instead waits forever at idle too.
-                held = self._held_prefix(long)
-                why = leaked if not held else (f"{leaked}, or a hit on its first {held} tokens (a state slot "
-                                               f"holds them) needs more of the pool than recomputing them "
-                                               f"and the cache never recomputes instead")
-                self._probe_drain(f"a {op.kv_tokens}-token request ({need} of the {lay.num_kv_blocks} KV blocks), "
-                                  f"which a fresh instance serves,", why)
-        finally:
-            self.probing = False
-            self.ended = True  # the runner stays dry: memory's bytes no longer match its provenance
-
-    def _held_prefix(self, prompt) -> int:
-        """The longest proper prefix of ``prompt`` whose state some slot holds,
-        by the harness memory's provenance (not by what the view says)."""
-        held = 0
-        for slot in range(self.layout.num_state_slots):
-            conv, ssm = self.memory.state_holds(slot)
-            if conv is not None and conv == ssm and held < len(conv) < len(prompt) and prompt[:len(conv)] == conv:
-                held = len(conv)
-        return held
-
-    def _probe_drain(self, what: str, why: str) -> None:
-        try:
-            self._drain(max(1024, SHORT_LEN * len(self.active())))
-        except ConformanceFailure as exc:
-            if exc.kind != "stall":
-                raise
-            raise ConformanceFailure("invariant", f"lifetime: at idle, {what} could not be served "
-                                                  f"({exc}): "
-                                                  f"{why}") from None
-
-    # -- one engine step --------------------------------------------------------------
-    def _step(self, budget: int) -> None:
-        if not self.active():
-            return
-        view_before = self.last_view
-        plan: StepPlan = self.call("schedule", budget)
-        if not isinstance(plan, StepPlan):
-            raise ConformanceFailure("contract", f"schedule() returned {type(plan).__name__}, not StepPlan")
-        self.step_no += 1
-        self.last_plan = plan
-        self.history.plan(plan)
-        if not plan.requests:
-            self._without_requests(plan)
-            return
-        self._stalled = 0
-        view = self.plan_view = self.call("view")
-        self._validate(plan)
-        self.checkers.notify(Scheduled(plan, view))
-        try:
-            executed = self.runner.execute(plan, {rid: t.tokens for rid, t in self.tracks.items()})
-        except ContractError as exc:
-            raise ConformanceFailure("contract", str(exc)) from None
-        self._record_transfers()
-        sampled = {}
-        for ex in executed:
-            rs, track = ex.step, self.tracks[ex.step.request_id]
-            if ex.logits is not None:  # the oracle's verdict, recorded; the logits checker judges it
-                verdict = self.oracle.judge(track.tokens, rs.start, ex.logits)
-                self.history.judged(rs, verdict, ex.reads)
-                ex = replace(ex, verdict=verdict)
-            self.checkers.notify(ex)
-            track.computed = rs.end
-            track.steps += 1
-            if rs.end == len(track.tokens) and track.generated < track.max_new:
-                tok = self.oracle.next_token(track.tokens)
-                track.tokens += (tok,)
-                track.generated += 1
-                sampled[rs.request_id] = tok
-        finished = self.call("update", plan, StepResult(sampled, transfers=tuple(self.runner.completed)))
-        self._finish(list(finished or ()))
-        view_after = self._settle()
-        self.checkers.notify(StepRecord(self.step_no, plan, view_before, view, view_after, tuple(finished or ()),
-                                        tuple(self.runner.completed)))
-
-    def _without_requests(self, plan: StepPlan) -> None:
-        """A plan that computes nothing: transfers and copies only, or a stall."""
-        progress = bool(plan.transfers or plan.kv_copies or plan.state_copies or self.runner.transport.busy())
-        # Requests that wait on loads were matched in this schedule: the
-        # checkers see what the cache held then (an entry evicted by another
-        # request's load destinations is neither on the device nor, its
-        # offload not run yet, in the host store).
-        self.checkers.notify(Scheduled(plan, self.call("view") if progress else None))
-        if progress:
-            # requests wait for their loads (or copies prepare them): progress, not a stall
-            self._stalled = 0
-            try:
-                self.runner.execute(plan, {})
-            except ContractError as exc:
-                raise ConformanceFailure("contract", str(exc)) from None
-            self._record_transfers()
-            if self.call("update", plan, StepResult(transfers=tuple(self.runner.completed))):
-                raise ConformanceFailure("contract", "update() finished requests in a step that computed nothing")
-            self._settle()
-            return
-        self._stalled += 1
-        if self._stalled >= STALL_STEPS:
-            raise ConformanceFailure("stall", f"{len(self.active())} requests active but nothing was scheduled "
-                                              f"for {STALL_STEPS} steps")
-
-    def _finish(self, finished: list[str]) -> None:
-        for rid in finished:
-            track = self.tracks.get(rid)
-            if track is None or track.done:
-                raise ConformanceFailure("contract", f"update() reported {rid!r} finished, but it is not active")
-            if track.generated < track.max_new:
-                raise ConformanceFailure("contract", f"update() finished {rid!r} after {track.generated} of "
-                                                     f"{track.max_new} tokens")
-            track.done = True
-        self.history.finished(finished)
-        late = [rid for rid, t in self.tracks.items() if not t.done and t.generated >= t.max_new]
-        if late:
-            raise ConformanceFailure("contract", f"requests {late} generated all their tokens but update() did "
-                                                 f"not report them finished")
-
-    def _record_transfers(self) -> None:
-        for done in self.runner.completed:
-            self.history.completed(done, self.runner.transport.intact.pop(done.id, None))
-
     def _settle(self) -> CacheView:
         """Memory at rest: the view after it, handed to the checkers."""
         view = self.last_view = self.call("view")
@@ -355,28 +180,6 @@ class Session:
         self._cached = cached
         self.checkers.notify(Settled(view, self.idle()))
         return view
-
-    def _validate(self, plan: StepPlan) -> None:
-        seen: set[str] = set()
-        for rs in plan.requests:
-            if rs.request_id in seen:
-                raise ConformanceFailure("contract", f"request {rs.request_id} scheduled twice in one step")
-            seen.add(rs.request_id)
-            track = self.tracks.get(rs.request_id)
-            if track is None or track.done:
-                raise ConformanceFailure("contract", f"scheduled {rs.request_id!r}, which is not active")
-            if track.computed is None:
-                if rs.start >= track.prompt_len:
-                    raise ConformanceFailure("contract", f"{rs.request_id}: first step starts at {rs.start}, but "
-                                                         f"the prompt has {track.prompt_len} tokens")
-            elif rs.start > track.computed:
-                raise ConformanceFailure("contract", f"{rs.request_id}: step starts at {rs.start}, but only "
-                                                     f"{track.computed} tokens were computed")
-        problems = plan_conflicts(plan, self.layout.block_size, {rs.request_id: self.tracks[rs.request_id].tokens
-                                                                 for rs in plan.requests})
-        if problems:  # memory two requests of the step contend for (conformance/harness/conflicts.py)
-            more = f" (+{len(problems) - 2} more)" if len(problems) > 2 else ""
-            raise ConformanceFailure("contract", "; ".join(problems[:2]) + more)
 
     def call(self, method: str, *args):
         """Call the implementation, guarded: a raise or a hang becomes an ImplementationError."""
@@ -408,7 +211,7 @@ class SessionObservation:
         return self._tracks
 
     @property
-    def history(self) -> History:
+    def history(self) -> Record:
         return self._s.history
 
     @property

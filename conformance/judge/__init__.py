@@ -3,6 +3,7 @@
 
 - :mod:`~conformance.judge.logits`: computed logits against the no-cache oracle;
 - :mod:`~conformance.judge.invariants`: the implementation's view against memory;
+- :mod:`~conformance.judge.lifetime`: the pool probe's verdict (a leak, whatever the view says);
 - :mod:`~conformance.judge.coverage`: the situations a run reached;
 - :mod:`~conformance.judge.retention`: a declared retention policy and its hit rate;
 - :mod:`~conformance.judge.metrics`: cache metrics (measured, never failing).
@@ -18,18 +19,21 @@ from conformance.harness.checker import Checker
 def standard_checkers(families: tuple[str, ...] = ()) -> list[Checker]:
     """The checkers of one session, in order: coverage first (so counts
     include the step that fails), then the invariants of the schedule, the
-    logits, the view against memory, and the retention families a check adds
-    (``CheckSpec.observe``: ``"retention"``, ``"hit-rate"``, and ``"expected-hit"``, the
+    logits, the view against memory, the pool probe's verdict, and the
+    retention families a check adds (``CheckSpec.observe``: ``"retention"``,
+    ``"hit-rate"``, and ``"expected-hit"``, the
     expected-hit oracle of :mod:`conformance.judge.expected_hit`, which fails
     in the ``hit-rate`` family)."""
     from conformance.judge.coverage import CoverageCounter
     from conformance.judge.expected_hit import ExpectedHit
     from conformance.judge.hard_coverage import HardHistoryCoverage
     from conformance.judge.invariants import TablesReferenced, ViewMatchesMemory
+    from conformance.judge.lifetime import PoolProbeServed
     from conformance.judge.logits import LogitsMatchReference
     from conformance.judge.retention import RetentionChecker
 
     return [CoverageCounter(), HardHistoryCoverage(), TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(),
+            PoolProbeServed(),
             *(ExpectedHit() if family == "expected-hit" else RetentionChecker(family) for family in families)]
 
 

@@ -135,7 +135,7 @@ class ExpectedHit(Checker):
         self.decl: dict | None = None
         self.window = LookupWindow()
         self.remote_floor: dict[str, int] = {}  # waiting request -> least remote reuse seen
-        self.excused: set[str] = set()  # requests whose remote reuse a correct cache could not have had
+        self.excused: set[str | None] = set()  # requests whose remote reuse a correct cache could not have had
         self.seen_events = 0
         # host key -> the copy a load of which broke (a cache may stop trusting
         # that copy; a later offload under the same key is a new copy)
@@ -217,7 +217,7 @@ class ExpectedHit(Checker):
                 rid, key = broken
                 self.excused.add(rid)
                 entry = store.entries.get(key) if key is not None else None
-                if entry is not None:  # an entry the store dropped is held by no one
+                if key is not None and entry is not None:  # an entry the store dropped is held by no one
                     self.distrusted[key] = entry
         self.seen_events = len(history.events)
 

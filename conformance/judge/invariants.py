@@ -42,15 +42,15 @@ def check_view(view: CacheView, memory: Memory, idle: bool) -> list[str]:
                 problems.append(f"KV block {entry.block} is cached for a {len(entry.tokens)}-token prefix but "
                                 f"position {pos} holds {_what(held, entry.tokens[: pos + 1])}")
                 break
-    for entry in view.cached_states:
-        if not 0 <= entry.slot < lay.num_state_slots:
-            problems.append(f"cached state slot {entry.slot} is outside the layout")
+    for state in view.cached_states:
+        if not 0 <= state.slot < lay.num_state_slots:
+            problems.append(f"cached state slot {state.slot} is outside the layout")
             continue
-        conv, ssm = memory.state_holds(entry.slot)
+        conv, ssm = memory.state_holds(state.slot)
         for part, held in (("conv", conv), ("matrix", ssm)):
-            if held != entry.tokens:
-                problems.append(f"state slot {entry.slot} is registered as the state after {len(entry.tokens)} "
-                                f"tokens but its {part} state is {_what(held, entry.tokens)}")
+            if held != state.tokens:
+                problems.append(f"state slot {state.slot} is registered as the state after {len(state.tokens)} "
+                                f"tokens but its {part} state is {_what(held, state.tokens)}")
     return problems
 
 

@@ -152,6 +152,7 @@ class RetentionChecker(Checker):
         ``interval_at = "chunk-ends"`` a state is published where the step
         ends or where it exports one from inside (a snapshot: vLLM's prefill
         checkpoint blocks), never elsewhere."""
+        assert self.decl is not None  # asked only of a checker whose implementation declared one
         interval = self.decl["interval"]
         step = self.B if interval is None else interval
         published = {end} | set(exported)
@@ -242,6 +243,7 @@ class RetentionChecker(Checker):
         more checkpoints than there are state slots not held by running
         requests (nor spent running a finished one, :func:`state_room`) is
         failed only for holding fewer than it could."""
+        assert self.decl is not None  # asked only of a checker whose implementation declared one
         missing = [(p, info) for p, info in wanted.items() if p not in now.states]
         if not missing:
             return
@@ -264,6 +266,7 @@ class RetentionChecker(Checker):
         request's blocks as it schedules them, so a request arriving in the
         same step counts) stops covering its prompt, rounded down to the
         junction unit; a checkpoint when a step reaches it past the hit."""
+        assert self.decl is not None  # asked only of a checker whose implementation declared one
         rid = rs.request_id
         if track.steps == 1:
             # its own blocks: those past the hit that no one had cached before
@@ -300,6 +303,7 @@ class RetentionChecker(Checker):
                                        f"state of its first {best} tokens at every schedule() since it was submitted")
 
     def _policy(self) -> str:
+        assert self.decl is not None  # asked only of a checker whose implementation declared one
         i = self.decl["interval"]
         return f"(interval={'block' if i is None else i}, admission={self.decl['admission']})"
 

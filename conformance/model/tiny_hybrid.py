@@ -16,6 +16,7 @@ On a CPU in float64 the two agree to ~1e-12.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -76,10 +77,7 @@ class TinyHybrid:
         self._inv_freq = (1.0 / (c.rope_base ** (torch.arange(half, dtype=torch.float64) / half))).to(
             dtype=dtype, device=self.device)
 
-    # -- shapes the harness allocates -------------------------------------------------
-    def kv_shape(self) -> tuple[int, int]:
-        return (self.config.attn_heads, self.config.head_dim)
-
+    # -- a fresh recurrent state (what a "fresh" StateInit starts from) ---------------
     def zero_state(self) -> RecState:
         c = self.config
         return RecState(
@@ -198,7 +196,7 @@ class TinyHybrid:
                 u = x @ p["w_in"]
                 window = torch.cat([st.conv, u])  # [W-1+t, ch]
                 w_ = c.conv_width
-                y = sum(window[j: j + t] * p["conv"][j] for j in range(w_))
+                y = cast(torch.Tensor, sum(window[j: j + t] * p["conv"][j] for j in range(w_)))
                 q, k, v = self._split_conv_out(y)
                 decay, beta = self._gates(p, x)
 

@@ -39,7 +39,7 @@ class CheckResult:
     coverage: dict[str, int] = field(default_factory=dict)
     failure: Failure | None = None
     reason: str = ""  # for skipped checks
-    metrics: dict = field(default_factory=dict)  # cache metrics measured during the check (conformance/metrics.py)
+    metrics: dict = field(default_factory=dict)  # cache metrics measured during the check (judge/metrics.py)
     # What this verdict could not rest on, said rather than silently passed: a
     # checker that had nothing to check (no refcounts stated), a retention
     # policy the implementation declared instead of the one the check configured.

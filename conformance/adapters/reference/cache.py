@@ -96,7 +96,8 @@ class ReferenceCache:
                                  request.max_new_tokens))
 
     def schedule(self, budget: int) -> StepPlan:
-        steps, kv_copies = [], []
+        steps: list[RequestStep] = []
+        kv_copies: list[tuple[int, int]] = []
         for req in list(self.waiting):
             if self.tier is not None:
                 # The tiers are compared right before admission: an earlier
@@ -247,7 +248,7 @@ class ReferenceCache:
 
     def _waits_for_loads(self, request_id: str) -> bool:
         """A request whose loads are in flight is admitted once they completed."""
-        return self.tier.is_loading(request_id)
+        return self.tier is not None and self.tier.is_loading(request_id)
 
     def _tier_match(self, prompt: list[int], match: Match, remote: int) -> Match:
         """After the remote tier's loads landed: the loaded blocks and state
@@ -309,7 +310,9 @@ class ReferenceCache:
         if need > self.kv.num_free():
             return False
         for _ in range(need):
-            req.blocks.append(self.kv.allocate())
+            block = self.kv.allocate()
+            assert block is not None  # num_free() counted it
+            req.blocks.append(block)
         return True
 
     # -- bookkeeping after a step ---------------------------------------------------
@@ -330,6 +333,7 @@ class ReferenceCache:
         req.offered = req.computed
         if not self._should_admit(prefix):
             return  # the request keeps extending its slot: nothing to copy
+        assert req.slot is not None  # it just ran in its slot
         if self.states.register(prefix, req.slot):
             self.stats["snapshots"] += 1
             # The request's reference becomes a pin until the copy has run.

@@ -17,8 +17,12 @@ gets one round of loads, so a tier that keeps failing cannot starve it.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from conformance.adapters.reference.block_pool import ROOT, chain
 from conformance.contract import Transfer, TransferDone
+
+Kind = Literal["kv", "state"]
 
 
 def kv_key(prefix: tuple[int, ...]) -> str:
@@ -89,7 +93,7 @@ class HostTier:
     def _evict_state(self, slot: int, prefix) -> None:
         self._offload("state", slot, state_key(prefix), prefix=prefix)
 
-    def _offload(self, kind: str, device: int, key: str, **info) -> None:
+    def _offload(self, kind: Kind, device: int, key: str, **info) -> None:
         if key in self.entries or any(i["key"] == key for i in self.inflight.values()):
             return
         t = self._transfer("offload", kind, key, device, None)
@@ -160,9 +164,9 @@ class HostTier:
         pins += [("state", state)] if isinstance(state, int) else []
         for kind, ident in pins:
             (self.cache.kv if kind == "kv" else self.cache.states).acquire(ident)
-        wanted = [("kv", b) for b in chain_ if isinstance(b, dict)] + ([("state", state)] if isinstance(state, dict)
-                                                                      else [])
-        dests = []
+        wanted: list[tuple[Kind, Any]] = [("kv", b) for b in chain_ if isinstance(b, dict)]
+        wanted += [("state", state)] if isinstance(state, dict) else []
+        dests: list[tuple[str, int]] = []
         for kind, _ in wanted:
             dest = (self.cache.kv if kind == "kv" else self.cache.states).allocate()
             if dest is None:  # no room: give up on this round (the request recomputes)
@@ -213,7 +217,8 @@ class HostTier:
             self.aborted.discard(rid)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _transfer(self, direction: str, kind: str, key: str, device: int, rid: str | None) -> Transfer:
+    def _transfer(self, direction: Literal["offload", "load"], kind: Kind, key: str, device: int,
+                  rid: str | None) -> Transfer:
         self.next_id += 1
         t = Transfer(self.next_id, direction, kind, key, device, rid)
         self.planned.append(t)

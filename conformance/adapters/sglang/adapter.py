@@ -34,6 +34,7 @@ from conformance.contract import (
     Layout,
     Request,
     RequestStep,
+    StateInit,
     StepPlan,
     StepResult,
     copy_from,
@@ -45,7 +46,7 @@ class _Live:
     request: Request
     req: Req
     admitted: bool = False
-    init: object = FRESH  # state init of the first step after admission
+    init: StateInit = FRESH  # state init of the first step after admission
     pending_checkpoint: bool = False  # a no_buffer fork waits for the next plan (see _flush_checkpoints)
     track: tuple | None = None  # (position, ping-pong index) the running step writes (extra_buffer)
     decode: bool = False  # the step in flight is a decode step
@@ -256,7 +257,7 @@ class SglangCache:
         except RuntimeError:
             return None  # out of memory after eviction: the request waits
         lv.decode = False
-        snapshots = ()
+        snapshots: tuple[tuple[int, int], ...] = ()
         lv.track = None
         if self.opts.extra_buffer:
             entry = self.prepare_track(batch, req)
@@ -286,7 +287,7 @@ class SglangCache:
         req.decode_batch_idx += 1
         lv.decode = True
         lv.track = None
-        snapshots = ()
+        snapshots: tuple[tuple[int, int], ...] = ()
         if self.opts.extra_buffer and (length + 1) % mamba_track_grid(self.P) == 0:
             # prepare_for_decode's track mask: the forward writes the state after
             # length+1 tokens into the ping-pong slot named by mamba_next_track_idx.
@@ -301,6 +302,7 @@ class SglangCache:
     def _commit_track(self, lv: _Live) -> None:
         """What SGLang's result processor records after a decode step that
         crossed a track boundary (the extend case was recorded at prepare time)."""
+        assert lv.track is not None  # called for a step that tracked
         pos, idx, kind = lv.track
         lv.track = None
         if kind != "decode":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from conformance.contract import ImplConfig
 
@@ -78,10 +79,12 @@ LAYERS, FULL_LAYERS = 4, (3,)
 
 @dataclass
 class Built:
-    cache: object
-    req_pool: object
-    allocator: object
-    server_args: object
+    """SGLang's own objects (typed by SGLang, which ships no stubs)."""
+
+    cache: Any  # MambaRadixCache
+    req_pool: Any  # HybridReqToTokenPool
+    allocator: Any  # the KV token allocator
+    server_args: Any
 
 
 def build(opts: SglangOptions) -> Built:

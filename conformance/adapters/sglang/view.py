@@ -19,6 +19,7 @@ cached entries (no keys to name them by).
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -39,7 +40,7 @@ def _free_pages(allocator, P: int) -> set[int]:
 def walk_tree(cache):
     """(tokens, node) for every non-root node of the Python tree core, parents first."""
     root = cache.tree_core.root_node
-    stack = [(root, ())]
+    stack: list[tuple[Any, tuple[int, ...]]] = [(root, ())]
     while stack:
         node, prefix = stack.pop()
         for child in node.children.values():

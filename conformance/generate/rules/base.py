@@ -16,7 +16,7 @@ from conformance.contract import ImplConfig
 from conformance.errors import Abandoned, ConformanceFailure, ImplementationError
 from conformance.generate import strategies
 from conformance.generate.configured import Conf, configured_rule
-from conformance.generate.probe import pool_probe
+from conformance.generate.probe_sizing import pool_probe
 from conformance.generate.recorder import Recorder
 from conformance.generate.spec import CheckSpec, mixed
 from conformance.harness.ops import HoldTransfers, Op, op_to_dict
@@ -55,7 +55,7 @@ class MachineBase(RuleBasedStateMachine):
         self.recorder = recorder or Recorder()
         # Called with each new session: more checkers (metrics), environment faults.
         self.attach = attach
-        # The pool probe after each example (generate/probe.py): black-box leak detection.
+        # The pool probe after each example (generate/probe_sizing.py): black-box leak detection.
         self.probe = probe
         self.failed = False
         self.B = self.impl_config.block_size

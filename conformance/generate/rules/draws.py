@@ -3,6 +3,8 @@ of the configuration, see :func:`~conformance.generate.configured.configured_rul
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import strategies as st
 
 from conformance.generate import strategies
@@ -26,7 +28,8 @@ def junk_prompts(c: Conf) -> st.SearchStrategy:
 
 
 
-DIVERGING = dict(which=lambda c: st.integers(0, 7), k=lambda c: st.integers(0, c.spec.max_prompt_blocks),
-                  offset=lambda c: st.integers(0, c.B - 1), tail=lambda c: st.booleans(),
-                  rest=lambda c: strategies.tokens(c.vocab, c.B),
-                  max_new=lambda c: st.integers(1, c.spec.max_new_tokens))
+# A prompt that diverges from an earlier sequence at every offset inside a block.
+DIVERGING: dict[str, Any] = dict(
+    which=lambda c: st.integers(0, 7), k=lambda c: st.integers(0, c.spec.max_prompt_blocks),
+    offset=lambda c: st.integers(0, c.B - 1), tail=lambda c: st.booleans(),
+    rest=lambda c: strategies.tokens(c.vocab, c.B), max_new=lambda c: st.integers(1, c.spec.max_new_tokens))

@@ -8,6 +8,7 @@ from conformance.generate import strategies
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
 from conformance.generate.rules.draws import DIVERGING, junk_prompts
+from conformance.harness.observation import Track
 from conformance.harness.ops import Abort, Drain, Step, Submit
 
 
@@ -129,9 +130,11 @@ class HardHistories(MachineBase):
         Mid-decode only a request that asked for two tokens or more: one that
         asked for one finishes in the step that ends its prefill."""
         tracks = self.session.tracks
-        active = [r for r in self.session.active()
-                  if (tracks[r].max_new > 1 if decode
-                      else tracks[r].computed is None or tracks[r].computed < tracks[r].prompt_len)]
+
+        def in_prefill(t: Track) -> bool:  # not run yet, or not past its prompt
+            return t.computed is None or t.computed < t.prompt_len
+
+        active = [r for r in self.session.active() if (tracks[r].max_new > 1 if decode else in_prefill(tracks[r]))]
         if not active:
             return
         rid = active[which % len(active)]

@@ -23,7 +23,7 @@ block: vLLM's sub-block hits take three blocks more than a miss), but a
 cache can always decline a hit that does not fit and recompute; one that
 never does leaves a request that its own empty pool serves waiting forever
 at idle.  That is a liveness defect, and the probe reports it as such (its
-message names the held prefix, see ``Session._probe``).
+message names the held prefix, see :mod:`conformance.judge.lifetime`).
 
 Calibration runs without checkers and without environment faults; an
 implementation that fails or raises while being measured is probed only as
@@ -39,7 +39,7 @@ from conformance.contract import ImplConfig
 from conformance.errors import ConformanceFailure, ImplementationError
 from conformance.harness.ops import Drain, Probe, Step, Submit
 from conformance.harness.oracle import Oracle
-from conformance.harness.probe import SHORT_LEN, probe_prompts
+from conformance.harness.probe_prompts import SHORT_LEN, probe_prompts
 from conformance.harness.session import Session, make_session
 from conformance.model import TinyHybrid
 

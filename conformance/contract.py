@@ -17,9 +17,21 @@ One engine step, seen from the implementation:
    it returns the requests that finished (and frees them).
 
 Later extensions (a second storage tier, a prefill and a decode worker with
-their own memory) add optional fields with defaults: ``RequestStep.worker`` and
-``StepPlan.transfers`` already exist for that, so adapters written against this
+their own memory, speculative decoding) add optional fields with defaults:
+``RequestStep.worker``, ``StepPlan.transfers``, ``RequestStep.drafts`` and
+``StepResult.accepted`` exist for that, so adapters written against this
 version keep working.
+
+Speculative decoding (optional, :class:`Speculation`): the harness is the
+drafter and the verifier.  Between steps it may propose draft tokens for a
+request in decode (``propose_drafts``); the implementation may verify a
+prefix of them in that request's next step (``RequestStep.drafts``), saying
+where the recurrent state after each verified position lives
+(``RequestStep.draft_slots``); the harness computes them on its memory,
+accepts the drafts that equal the no-cache reference's next tokens (the
+generator chooses how many agree) and tells ``update()`` how many it accepted
+(``StepResult.accepted``).  What is reusable afterwards is judged by memory:
+exactly the accepted prefix.
 """
 
 from __future__ import annotations
@@ -112,6 +124,22 @@ class RequestStep:
     # copy the running state (conv and matrix parts) into ``slot``.
     snapshots: tuple[tuple[int, int], ...] = ()
     worker: str = "main"  # reserved for prefill/decode pairs
+    # Speculative decoding (see Speculation): draft tokens verified after ``end``,
+    # computed at positions [end, end + len(drafts)) with logits for each; a
+    # prefix of the drafts the harness proposed for this request, only on a step
+    # that reaches the request's last known token (``end`` = its length).
+    # Snapshot positions may then reach ``end + len(drafts)``; one at a draft
+    # position is taken only where the verifier accepts through it (as an engine
+    # copies the accepted column after verification: vLLM's postprocess_mamba).
+    drafts: tuple[int, ...] = ()
+    # Where the state of each verified position lives.  Per-position state slots
+    # (vLLM's speculative state blocks, ``MambaSpec.num_speculative_blocks``):
+    # ``draft_slots[i]`` receives the state after position ``end + i + 1``
+    # (draft i consumed) and ``state_slot`` the state after ``end``; one slot per
+    # draft, all distinct.  Empty (an explicit rollback scheme): ``state_slot`` is
+    # extended in place through every draft, and the implementation restores what
+    # it rejected itself (a snapshot at ``end``, then recomputing from there).
+    draft_slots: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,6 +193,11 @@ class StepResult:
 
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> next token
     transfers: tuple[TransferDone, ...] = ()  # completions since the last step
+    # Speculative decoding: request id -> how many of the step's drafts were
+    # accepted (0..len(drafts)), for every request whose step verified drafts.
+    # The request's sequence grows by drafts[:accepted] and then sampled[id]
+    # (the token after the last accepted draft); it has computed end + accepted.
+    accepted: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -211,6 +244,36 @@ class CacheView:
     running: tuple[str, ...] = ()  # requests that hold memory
 
 
+@dataclass(frozen=True)
+class Speculation:
+    """What an implementation that verifies draft tokens declares (optional
+    ``speculation()``; None: it does not).
+
+    - ``max_drafts``: drafts it verifies in one step at most (vLLM's
+      ``num_speculative_tokens``); the harness proposes no more.
+    - ``scheme``: where the states of the verified positions live:
+      ``"per-position"`` (``RequestStep.draft_slots``) or ``"rollback"`` (in
+      place, the implementation restores the rejected part itself).
+    - ``hit_drop``: tokens a non-zero KV hit gives back so that the drafter
+      recomputes their hidden states (EAGLE and MTP: vLLM's ``drop_eagle_block``
+      takes one hash unit, or one block, off the attention hit): the
+      expected-hit oracle expects a reuse of at most the KV hit less this many
+      tokens, and a state there.
+    """
+
+    max_drafts: int
+    scheme: Literal["per-position", "rollback"] = "per-position"
+    hit_drop: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_drafts, int) or self.max_drafts < 1:
+            raise ValueError(f"Speculation.max_drafts must be an integer >= 1, got {self.max_drafts!r}")
+        if self.scheme not in ("per-position", "rollback"):
+            raise ValueError(f"Speculation.scheme must be 'per-position' or 'rollback', got {self.scheme!r}")
+        if not isinstance(self.hit_drop, int) or self.hit_drop < 0:
+            raise ValueError(f"Speculation.hit_drop must be an integer >= 0, got {self.hit_drop!r}")
+
+
 @runtime_checkable
 class CacheImplementation(Protocol):
     """What an adapter provides.  See the README, "Writing an adapter"."""
@@ -246,7 +309,17 @@ REQUIRED_METHODS = ("layout", "add_request", "schedule", "update", "abort", "vie
 # An implementation that declares one is checked against it (families
 # "retention" and "hit-rate", see conformance/retention.py); one that does not
 # has those checks skipped.
-OPTIONAL_METHODS = ("retention",)
+#
+#   speculation() -> Speculation | None   whether (and how) it verifies drafts;
+#   propose_drafts(request_id, tokens)    the harness's drafts for the request's
+#       next step (replacing any earlier proposal); it may verify a prefix of
+#       them there (RequestStep.drafts), or none.  A proposal lasts until the
+#       request's next computed step.
+#
+# Both, or the "spec" family is skipped (with ``spec_option``, a class
+# attribute ``("option", value)`` that turns speculative decoding on, as
+# ``tier_option`` turns on a second tier).
+OPTIONAL_METHODS = ("retention", "speculation", "propose_drafts")
 
 
 def missing_methods(obj: object) -> list[str]:

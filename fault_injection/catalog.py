@@ -11,6 +11,7 @@ from fault_injection import (
     reference_mutants,
     retention_mutants,
     sglang_mutants,
+    spec_mutants,
     tier_mutants,
     vllm_mutants,
     vllm_pd_mutants,
@@ -18,8 +19,8 @@ from fault_injection import (
 from fault_injection.registry import MUTANTS, Mutant
 
 # imported for their registrations (disagg_mutants: target "reference-disagg", the disagg family's)
-_MODULES = (reference_mutants, retention_mutants, disagg_mutants, tier_mutants, vllm_mutants, vllm_pd_mutants,
-            sglang_mutants)
+_MODULES = (reference_mutants, retention_mutants, disagg_mutants, tier_mutants, spec_mutants, vllm_mutants,
+            vllm_pd_mutants, sglang_mutants)
 
 
 def all_mutants() -> dict[str, Mutant]:

@@ -48,8 +48,8 @@ def subclass_mutant(base: type, factory, name: str, **methods):
 
 def instance_mutant(name: str, apply: Callable, default_name: str):
     """A mutant that wraps each built instance (``apply(impl) -> impl``), for engines
-    whose objects are patched at run time; the factory keeps the name, version and
-    tier option of the one it wraps."""
+    whose objects are patched at run time; the factory keeps the name, version, tier
+    option and speculative option of the one it wraps."""
 
     def wrap(factory):
         def built(config):
@@ -59,6 +59,7 @@ def instance_mutant(name: str, apply: Callable, default_name: str):
         build.name = getattr(factory, "name", default_name)
         build.version = getattr(factory, "version", "unknown")
         build.tier_option = getattr(factory, "tier_option", None)
+        build.spec_option = getattr(factory, "spec_option", None)
         build.__name__ = f"{getattr(factory, '__name__', default_name)}[{name}]"
         return build
 

@@ -78,3 +78,30 @@ def test_what_no_order_changes_is_allowed():
         StepPlan((step("a", 2, 4, [0], 0, RESUME), step("c", 2, 3, [0], 1, copy_from(5)))),
     ]
     assert [plan_conflicts(p, B, same) for p in ok] == [[], [], []]
+
+
+def drafting(rid, start, end, table, slot, drafts, draft_slots=(), init=RESUME):
+    return replace(step(rid, start, end, table, slot, init), drafts=tuple(drafts), draft_slots=tuple(draft_slots))
+
+
+@pytest.mark.parametrize("plan,message", [
+    # a draft slot is written like a running slot
+    (StepPlan((drafting("a", 7, 8, [0, 1, 2], 0, [5, 6], [3, 4]), step("b", 0, 8, [5, 6], 4))),
+     "state slot 4 is written by two requests of one step: a (draft slot 1) and b (running slot)"),
+    # the drafts' KV positions are written: here for another sequence than b's
+    (StepPlan((drafting("a", 7, 8, [0, 1, 2], 0, [5, 6, 7, 8]), step("b", 8, 12, [3, 4, 2], 1, RESUME))),
+     "KV block 2 offset 0 is written by two requests of one step for different sequences: a (position 8) "
+     "and b (position 8)"),
+])
+def test_a_verifications_drafts_are_memory_it_writes(plan, message):
+    # both rules were blind past ``end`` before the merge with speculative decoding
+    tokens = {"a": A_TOKENS[:8], "b": B_TOKENS[:8]}
+    problems = plan_conflicts(plan, B, tokens)
+    assert any(p.startswith(message) for p in problems), problems
+
+
+def test_two_verifications_of_one_sequence_write_the_same_bytes():
+    tokens = {"a": A_TOKENS[:8], "c": A_TOKENS[:8]}
+    plan = StepPlan((drafting("a", 7, 8, [0, 1, 2], 0, [5, 6], [2, 3]),
+                     drafting("c", 7, 8, [0, 1, 2], 1, [5, 6], [4, 5])))
+    assert plan_conflicts(plan, B, tokens) == []

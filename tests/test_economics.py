@@ -120,3 +120,31 @@ def test_command_usage_errors(tmp_path):
     bad.write_text('{"prompt": [1, 2], "colour": "red"}\n')
     assert main(["economics", "--workload", str(bad)]) == 2
     assert main(["economics", "--state-bytes", "100"]) == 2
+
+
+def test_the_state_hit_rate_under_spec_decode():
+    """Multi-turn sessions replayed with drafts verified at every decode step
+    (issue 22): the reference keeps caching at accepted boundaries, so the
+    state hit rate under spec decode is the one without it; a cache that
+    publishes nothing while it speculates (vllm#54360: 0 hits on GDN under any
+    speculative method) shows a collapsed state hit rate beside its KV hit rate."""
+    reqs = wl.load("agent-sessions")[:32]
+    plain = replay_workload(reqs, ReferenceCache, {"interval": 0}).result
+    spec = replay_workload(reqs, ReferenceCache, {"interval": 0}, spec=(3, 1)).result
+    sp = spec["speculation"]
+    assert sp["verify_steps"] > 0 and 0 < sp["accepted"] < sp["drafts"]
+    assert spec["hits"] == plain["hits"] and spec["state_hit_rate"] == plain["state_hit_rate"]
+
+    class NoStatesWhileSpeculating(ReferenceCache):
+        def _register_snapshot(self, req):
+            if not self.spec.tokens:
+                super()._register_snapshot(req)
+
+    broken = replay_workload(reqs, NoStatesWhileSpeculating, {"interval": 0}, spec=(3, 1)).result
+    assert broken["state_hit_rate"] < spec["state_hit_rate"] and broken["kv_hit_rate"] > broken["state_hit_rate"]
+
+
+def test_command_speculative_usage_errors(capsys):
+    assert main(["economics", "--workload", "agent-sessions", "--spec-agree", "1"]) == 2
+    assert main(["economics", "--workload", "agent-sessions", "--spec-tokens", "-1"]) == 2
+    assert "--spec-agree needs --spec-tokens" in capsys.readouterr().err

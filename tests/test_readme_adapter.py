@@ -44,3 +44,30 @@ def test_machine_test_enforces_coverage_as_run_does():
     # A check that cannot run against it (no second tier) is a pytest skip with the reason, not a pass.
     with pytest.raises(pytest.skip.Exception, match="no second tier"):
         machine_test(NoCache, check="tier-reuse", examples=2, steps=4)()
+
+
+def test_readme_speculative_adapter_verifies_drafts_correctly(model, oracle):
+    """The README's speculative example: its verifications and the steps
+    after them give reference logits; the spec family fails it on coverage
+    only (a cache that never hits cannot reuse what speculation produced)."""
+    import pytest
+
+    from conformance.harness.ops import Draft, Step
+    from conformance.testing import machine_test
+
+    ns = _example_namespace()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+                 if "class SpeculativeNoCache" in b)
+    exec(compile(block, "README.md", "exec"), ns)
+    Spec = ns["SpeculativeNoCache"]
+    s = judged_session(Spec, ImplConfig(4, 32, 8, {"spec_tokens": 2}), model, oracle)
+    s.apply(Submit("a", tuple(range(1, 10)), 10))
+    s.apply(Step(1024))
+    for count, agree in ((2, 2), (2, 0), (1, 1), (2, 1)):
+        s.apply(Draft("a", count, agree))
+        s.apply(Step(1024))
+    s.apply(Drain(1024))
+    assert [e["accepted"] for e in s.history.as_data() if e["event"] == "verified"] == [2, 0, 1, 1]
+    assert not s.active()
+    with pytest.raises(AssertionError, match=r"spec-decode failed \(coverage\).*hits_after_verify"):
+        machine_test(Spec, check="spec-decode", examples=4, steps=6)()

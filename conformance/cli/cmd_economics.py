@@ -27,6 +27,11 @@ def add_parser(sub) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="another implementation option (JSON value; repeatable)")
     p.add_argument("--block-size", type=int, default=4, help="block size of the replay (default 4)")
+    p.add_argument("--spec-tokens", type=int, default=0, metavar="K",
+                   help="replay under speculative decoding: K drafts verified at every decode step (the "
+                        "implementation's spec_option; default 0: off)")
+    p.add_argument("--spec-agree", type=int, default=None, metavar="A",
+                   help="with --spec-tokens: how many of the K drafts agree with the reference (default K)")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of hit rates and occupancies (matplotlib)")
     p.add_argument("--report-dir", type=Path, default=None,
@@ -66,9 +71,17 @@ def main(args) -> int:
         if args.interval is not None:
             options["interval"] = args.interval
         factory = resolve(args.impl)
+        if args.spec_tokens < 0 or (args.spec_agree is not None and args.spec_agree < 0):
+            raise UsageError("--spec-tokens and --spec-agree must be >= 0")
+        if args.spec_agree is not None and not args.spec_tokens:
+            raise UsageError("--spec-agree needs --spec-tokens")
+        if args.spec_tokens and not getattr(factory, "spec_option", None):
+            raise UsageError(f"--spec-tokens: --impl {args.impl} has no speculative decoding (no spec_option)")
+        spec = (args.spec_tokens, args.spec_tokens if args.spec_agree is None else args.spec_agree) \
+            if args.spec_tokens else None
         replayed = replay_workload(requests, factory, options, name=Path(args.workload).stem, impl_name=args.impl,
                           block_size=args.block_size,
-                          keep_series=args.plot is not None or args.report_dir is not None)
+                          keep_series=args.plot is not None or args.report_dir is not None, spec=spec)
         out = dict(replayed.result)
     if cost is not None:
         out["cost_model"] = cost.report()

@@ -65,8 +65,9 @@ def mutants_for(impl: str) -> list:
         factory = resolve(impl)
         if not (isinstance(factory, type) and issubclass(factory, ReferenceCache)):
             return []
-    # The reference's disaggregated mode has its own mutants, caught by the disagg family.
-    targets = {target, f"{target}-disagg"} if target in ("reference", "vllm") else {target}
+    # The reference's disaggregated mode has its own mutants, caught by the disagg family;
+    # its speculative decoding too, caught by the spec family.
+    targets = {target, f"{target}-disagg", f"{target}-spec"} if target in ("reference", "vllm") else {target}
     return [m for m in MUTANTS.values() if m.target in targets]
 
 
@@ -74,12 +75,15 @@ def planned_checks(mutant, profile: str) -> list[str]:
     """The profile's checks, in order.  A mutant of a disaggregated mode (the
     reference's, vLLM's) runs only the checks that execute that mode (the disagg family): the
     single-worker checks never call it, so they cannot catch it and would only
-    spend time."""
+    spend time.  Likewise a mutant of speculative decoding (target ``*-spec``)
+    runs only the checks that verify drafts (the spec family)."""
     from conformance.suite.checks import PROFILES
 
     specs = PROFILES[profile].checks
     if mutant is not None and mutant.target.endswith("-disagg"):
         specs = tuple(s for s in specs if s.disagg)
+    if mutant is not None and mutant.target.endswith("-spec"):  # only checks that verify drafts meet the code
+        specs = tuple(s for s in specs if s.spec)
     return [s.id for s in specs]
 
 

@@ -36,6 +36,7 @@ from conformance.generate.rules.base import MachineBase
 from conformance.generate.rules.hard_histories import HardHistories
 from conformance.generate.rules.pressure import Pressure
 from conformance.generate.rules.prompts import Prompts
+from conformance.generate.rules.speculative import Speculative
 from conformance.generate.rules.steps import Steps
 from conformance.generate.rules.transfers import Transfers
 from conformance.generate.settings import hypothesis_settings, stable_draws
@@ -52,6 +53,7 @@ __all__ = ["HybridCacheMachine", "OPTIONAL_GROUPS", "MachineBase", "Recorder", "
 OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
     (HardHistories, frozenset({"live-pressure", "burst", "aba", "diverge", "live-abort"})),
     (Transfers, frozenset({"transfers"})),
+    (Speculative, frozenset({"spec"})),
 )
 
 

@@ -29,6 +29,9 @@ class CheckSpec:
     # Observers run after every step (conformance.judge.retention.OBSERVERS); a check
     # with any is skipped for an implementation that declares no retention().
     observe: tuple[str, ...] = ()
+    # Observers that run when the implementation declares a retention policy,
+    # and are left out (a note says so), never a reason to skip, when it does not.
+    observe_when_declared: tuple[str, ...] = ()
     # Runs with the implementation's second tier on (its ``tier_option``); a
     # check with it is skipped for an implementation that has none.
     tier: bool = False
@@ -36,6 +39,16 @@ class CheckSpec:
     # (conformance.suite.disagg); skipped for an implementation without a
     # disaggregated mode (no ``disagg_factory`` / ``disagg_layouts()``).
     disagg: bool = False
+    # Runs with the implementation's speculative decoding on (its ``spec_option``):
+    # the harness proposes drafts (rule group "spec"); skipped for an
+    # implementation that has none.
+    spec: bool = False
+
+    @property
+    def observers(self) -> tuple[str, ...]:
+        """Every observer of the check's sessions (each does nothing for an
+        implementation that declares no retention policy)."""
+        return self.observe + self.observe_when_declared
 
     def impl_config(self, **overrides) -> ImplConfig:
         base: dict[str, Any] = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,

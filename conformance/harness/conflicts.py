@@ -17,8 +17,11 @@ happens to read the bytes):
   sequences, or written by one and read by another (a hit on what the step
   has not computed yet).
 
-Two requests writing the same position for the same sequence (one cold
-prefix computed twice into shared blocks) write the same bytes: allowed.
+A step that verifies drafts writes through them: its draft slots (one per
+draft) and the KV positions ``[end, end + len(drafts))``, for the sequence
+its drafts continue.  Two requests writing the same position for the same
+sequence (one cold prefix computed twice into shared blocks) write the same
+bytes: allowed.
 Copies and transfers of the plan run before its requests, in order, so what
 they touch is no contention.
 """
@@ -33,6 +36,8 @@ Prefix = tuple[int, ...]
 def _state_uses(rs: RequestStep) -> tuple[dict[int, str], dict[int, str]]:
     """(slots the step writes, slots it reads), each with the role it plays."""
     writes = {rs.state_slot: "running slot"}
+    for i, slot in enumerate(rs.draft_slots):
+        writes.setdefault(slot, f"draft slot {i}")
     for pos, slot in rs.snapshots:
         writes.setdefault(slot, f"snapshot target at {pos}")
     reads: dict[int, str] = {}
@@ -48,6 +53,7 @@ def plan_conflicts(plan: StepPlan, block_size: int, tokens: dict[str, Prefix]) -
     each scheduled request's known tokens (for what a KV position is written for)."""
     problems: list[str] = []
     B = block_size
+    tokens = {rs.request_id: tuple(tokens[rs.request_id]) + tuple(rs.drafts) for rs in plan.requests}
     for rs in plan.requests:
         inside = [(p, s) for p, s in rs.snapshots if s == rs.state_slot and p < rs.end]
         if inside:
@@ -67,14 +73,19 @@ def plan_conflicts(plan: StepPlan, block_size: int, tokens: dict[str, Prefix]) -
                     problems.append(f"state slot {slot} is {writer}'s {writes[slot]} and {reader}'s {reads[slot]} "
                                     f"in one step: what {reader} reads depends on the order the step computes them")
     # -- KV positions ---------------------------------------------------------------------
-    written_blocks = {rs.request_id: set(rs.block_table[rs.start // B: -(-rs.end // B)]) for rs in plan.requests}
+    written_blocks = {rs.request_id: set(rs.block_table[rs.start // B: -(-_reach(rs) // B)]) for rs in plan.requests}
     for i, first in enumerate(plan.requests):
         for second in plan.requests[i + 1:]:
             for w, r in ((first, second), (second, first)):
-                shared = written_blocks[w.request_id] & set(r.block_table[: -(-r.end // B)])
+                shared = written_blocks[w.request_id] & set(r.block_table[: -(-_reach(r) // B)])
                 if shared:
                     problems += _kv_conflicts(w, r, shared, B, tokens, report_writes=w is first)
     return problems
+
+
+def _reach(rs: RequestStep) -> int:
+    """The position after the last one the step computes (its drafts included)."""
+    return rs.end + len(rs.drafts)
 
 
 def _kv_conflicts(w: RequestStep, r: RequestStep, blocks: set[int], B: int, tokens: dict[str, Prefix],
@@ -82,11 +93,11 @@ def _kv_conflicts(w: RequestStep, r: RequestStep, blocks: set[int], B: int, toke
     """Positions of ``blocks`` that ``w`` writes and ``r`` reads, or writes
     for another sequence (each pair of writers reported once)."""
     writes = {}
-    for pos in range(w.start, min(w.end, len(w.block_table) * B)):  # a short table is the runner's error
+    for pos in range(w.start, min(_reach(w), len(w.block_table) * B)):  # a short table is the runner's error
         b = w.block_table[pos // B]
         if b in blocks:
             writes[(b, pos % B)] = pos
-    for pos in range(0, min(r.end, len(r.block_table) * B)):
+    for pos in range(0, min(_reach(r), len(r.block_table) * B)):
         b = r.block_table[pos // B]
         at = writes.get((b, pos % B))
         if at is None:

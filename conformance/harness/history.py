@@ -3,7 +3,9 @@
 Each entry is a frozen event: an operation applied (:class:`OpApplied`), a
 plan (:class:`Planned`), the no-cache oracle's verdict on a computed step
 (:class:`Judged`), a transfer completion (:class:`TransferCompleted`), a
-fault firing (:class:`FaultFired`), requests finished (:class:`Finished`).
+fault firing (:class:`FaultFired`), requests finished (:class:`Finished`),
+drafts proposed and verified (:class:`DraftsProposed`, :class:`Verified`:
+speculative decoding).
 Checkers read the record typed (``history.events``, :meth:`History.since`,
 :meth:`History.issued`); repro files, reports and failure explanations read
 its JSON form (:meth:`Event.to_dict`, :meth:`History.tail`,
@@ -54,7 +56,10 @@ class Planned:
         object.__setattr__(self, "data", {"event": self.kind, "requests": [
             {"request_id": r.request_id, "start": r.start, "end": r.end, "block_table": list(r.block_table),
              "state_slot": r.state_slot, "state_init": r.state_init.kind, "state_source": r.state_init.source,
-             "snapshots": [list(s) for s in r.snapshots]} for r in p.requests],
+             "snapshots": [list(s) for s in r.snapshots],
+             # speculative decoding, only on a step that verifies drafts
+             **({"drafts": list(r.drafts), "draft_slots": list(r.draft_slots)} if r.drafts else {})}
+            for r in p.requests],
             "kv_copies": [list(c) for c in p.kv_copies], "state_copies": [list(c) for c in p.state_copies],
             # host-tier traffic, only when there is some (most plans have none)
             **({"transfers": [transfer_to_dict(t) for t in p.transfers]} if p.transfers else {})})
@@ -132,7 +137,47 @@ class Finished:
         return {"event": self.kind, "requests": list(self.request_ids)}
 
 
-Event = OpApplied | Planned | Judged | TransferCompleted | FaultFired | Finished
+@dataclass(frozen=True)
+class DraftsProposed:
+    """The harness (the drafter) proposed ``tokens`` for the request's next
+    step (none: it withdrew its proposal)."""
+
+    kind: ClassVar[str] = "drafts"
+    request_id: str
+    tokens: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, "request_id": self.request_id, "tokens": list(self.tokens)}
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A step verified ``drafts`` after the sequence ``base`` (its length is
+    the step's end); the oracle accepted the first ``accepted`` of them."""
+
+    kind: ClassVar[str] = "verified"
+    request_id: str
+    base: tuple[int, ...] = field(repr=False)
+    drafts: tuple[int, ...]
+    accepted: int
+    draft_slots: tuple[int, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return len(self.base)
+
+    def rejected_prefix(self) -> tuple[int, ...] | None:
+        """The shortest prefix that runs through a rejected draft (None: all accepted)."""
+        if self.accepted == len(self.drafts):
+            return None
+        return self.base + self.drafts[: self.accepted + 1]
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, "request_id": self.request_id, "end": self.end, "drafts": list(self.drafts),
+                "accepted": self.accepted}
+
+
+Event = OpApplied | Planned | Judged | TransferCompleted | FaultFired | Finished | DraftsProposed | Verified
 
 
 @dataclass
@@ -158,6 +203,12 @@ class History:
     def fault(self, name: str, transfer: Transfer | None, what: str) -> None:
         self.events.append(FaultFired(name, what, transfer))
 
+    def drafts(self, request_id: str, tokens: tuple[int, ...]) -> None:
+        self.events.append(DraftsProposed(request_id, tuple(tokens)))
+
+    def verified(self, verification: Verified) -> None:
+        self.events.append(verification)
+
     def finished(self, request_ids: list[str]) -> None:
         if request_ids:
             self.events.append(Finished(tuple(request_ids)))
@@ -176,6 +227,16 @@ class History:
                     if t.id == transfer_id:
                         return t
         return None
+
+    def verified_this_step(self) -> dict[str, Verified]:
+        """The verifications of the latest planned step, by request."""
+        out: dict[str, Verified] = {}
+        for ev in reversed(self.events):
+            if isinstance(ev, Planned):
+                break
+            if isinstance(ev, Verified):
+                out[ev.request_id] = ev
+        return out
 
     # -- the JSON form -------------------------------------------------------------------
     def tail(self, n: int = 12) -> list[dict]:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from conformance.contract import CacheView, Layout, Transfer
+from conformance.contract import CacheView, Layout, Speculation, Transfer
 
 if TYPE_CHECKING:
     from conformance.harness.history import Event
@@ -109,6 +109,11 @@ class Observation(Protocol):
         """What the generator's transfer control made happen, by name
         (:class:`~conformance.harness.transfer_control.TransferControl`), or
         None while no transfer was under its control."""
+
+    @property
+    def speculation(self) -> Speculation | None:
+        """What the implementation declared of its speculative decoding, when
+        it takes the harness's drafts (None: it does not speculate)."""
 
     def active(self) -> list[str]: ...
 

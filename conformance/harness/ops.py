@@ -98,9 +98,31 @@ class StoreEvict:
     pick: int = 0
 
 
-Op = Submit | Step | Drain | Abort | Probe | HoldTransfers | Deliver | StoreEvict
+# -- speculative decoding: the harness as the drafter ------------------------------------
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Propose ``count`` draft tokens for the next step of a request in decode
+    (every known token but the last sampled one computed), of which the first
+    ``agree`` are the no-cache reference's next tokens and the next one is not
+    (so exactly ``min(agree, count)`` of them are accepted when verified).
+    The tokens follow from these numbers and the model alone
+    (:func:`conformance.harness.speculation.draft_tokens`).  ``count`` is
+    capped at what the implementation verifies (``Speculation.max_drafts``)
+    and at the request's remaining tokens less one; nothing happens for a
+    request that is not in decode, or an implementation that does not
+    speculate.  ``count`` 0 withdraws a proposal."""
+
+    request_id: str
+    count: int = 1
+    agree: int = 0
+
+
+Op = Submit | Step | Drain | Abort | Probe | HoldTransfers | Deliver | StoreEvict | Draft
 OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "abort": Abort, "probe": Probe,
-                             "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict}
+                             "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict,
+                             "draft": Draft}
 # The disaggregated family's operations (applied to a DisaggSession, not a Session).
 from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
 from conformance.harness.disagg.ops import Op as DisaggOp  # noqa: E402
@@ -140,7 +162,7 @@ def op_from_dict(d: dict) -> Op:
     for key in ("budget", "max_new_tokens"):
         if key in kwargs and (not isinstance(kwargs[key], int) or kwargs[key] < 1):
             raise ValueError(f"{name}.{key}: must be a positive integer")
-    for key in ("pick", "delay"):
+    for key in ("pick", "delay", "count", "agree"):
         if key in kwargs and (not isinstance(kwargs[key], int) or isinstance(kwargs[key], bool) or kwargs[key] < 0):
             raise ValueError(f"{name}.{key}: must be an integer >= 0")
     if "outcome" in kwargs and kwargs["outcome"] not in OUTCOMES:

@@ -13,7 +13,7 @@ from conformance.errors import ContractError
 from conformance.harness.memory import Memory, Prefix
 from conformance.harness.oracle import Verdict
 from conformance.harness.transport import Transport
-from conformance.model import TinyHybrid
+from conformance.model import RecState, TinyHybrid
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Runner:
         # Dry steps (the pool probe): plans are validated and executed on provenance
         # only, the model is not run and nothing is judged; the session ends after.
         self.dry = False
+        # Snapshots at draft positions, held until the verifier decides (commit_snapshots).
+        self.deferred: dict[str, list[tuple[int, int, list[RecState] | None, Prefix]]] = {}
 
     def run_transfers(self, plan: StepPlan) -> list[TransferDone]:
         self.completed = self.transport.run(tuple(plan.transfers))
@@ -70,6 +72,8 @@ class Runner:
         return out
 
     def _run_one(self, rs: RequestStep, seq: Prefix) -> Executed:
+        if rs.drafts or rs.draft_slots:
+            return self._verify_one(rs, seq)
         mem = self.memory
         if not 0 <= rs.start < rs.end <= len(seq):
             raise ContractError(f"{rs.request_id}: range [{rs.start}, {rs.end}) outside the "
@@ -77,18 +81,7 @@ class Runner:
         bad = [p for p, _ in rs.snapshots if not rs.start < p <= rs.end]
         if bad:
             raise ContractError(f"{rs.request_id}: snapshot positions {bad} outside ({rs.start}, {rs.end}]")
-        mem.check_slot(rs.state_slot)
-        if rs.state_init.kind == "fresh":
-            mem.zero_state(rs.state_slot)
-        elif rs.state_init.kind == "copy":
-            assert rs.state_init.source is not None  # StateInit validates it
-            parts = rs.state_init.parts
-            mem.copy_state(rs.state_init.source, rs.state_slot, conv="conv" in parts, ssm="ssm" in parts)
-        wanted = seq[: rs.start]
-        conv_p, ssm_p = mem.state_holds(rs.state_slot)
-        bad_kv = mem.kv_holds(rs.block_table, seq, 0, rs.start)
-        reads = (f"state slot {rs.state_slot}: conv {_describe(conv_p, wanted)}, matrix {_describe(ssm_p, wanted)}; "
-                 f"KV [0, {rs.start}): " + ("ok" if bad_kv is None else f"wrong from position {bad_kv}"))
+        reads = self._init_state(rs, seq)
         if self.dry:  # validated as a read would be, then provenance only
             for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
                 mem.check_block(b)
@@ -110,3 +103,93 @@ class Runner:
         for pos, slot in rs.snapshots:
             mem.write_state(slot, res.captured[pos], seq[:pos])
         return Executed(rs, res.logits, reads, loaded)
+
+    def _init_state(self, rs: RequestStep, seq: Prefix) -> str:
+        """The running slot's starting state (fresh, resumed or copied), and
+        what the step reads, in words."""
+        mem = self.memory
+        mem.check_slot(rs.state_slot)
+        if rs.state_init.kind == "fresh":
+            mem.zero_state(rs.state_slot)
+        elif rs.state_init.kind == "copy":
+            assert rs.state_init.source is not None  # StateInit validates it
+            parts = rs.state_init.parts
+            mem.copy_state(rs.state_init.source, rs.state_slot, conv="conv" in parts, ssm="ssm" in parts)
+        wanted = seq[: rs.start]
+        conv_p, ssm_p = mem.state_holds(rs.state_slot)
+        bad_kv = mem.kv_holds(rs.block_table, seq, 0, rs.start)
+        return (f"state slot {rs.state_slot}: conv {_describe(conv_p, wanted)}, matrix {_describe(ssm_p, wanted)}; "
+                f"KV [0, {rs.start}): " + ("ok" if bad_kv is None else f"wrong from position {bad_kv}"))
+
+    # -- speculative decoding: a verification step ------------------------------------
+    def _verify_one(self, rs: RequestStep, seq: Prefix) -> Executed:
+        """A step that verifies draft tokens: the model computes the real tokens
+        [start, end) and then the drafts at [end, end + k), as one chunk (an
+        engine's verification batch), with logits at every position.  KV is
+        written for all of them (a rejected draft's KV stays in memory, with its
+        provenance, until something overwrites it).  With ``draft_slots`` the
+        running slot keeps the state after ``end`` and draft slot i the state
+        after ``end + i + 1``; without, the running slot is extended through
+        every draft.  The session decides acceptance afterwards, from the
+        oracle; memory only records what was computed.  A snapshot at a draft
+        position is held back until then (:meth:`commit_snapshots`): it is
+        taken only where the verifier accepts through it."""
+        mem = self.memory
+        k = len(rs.drafts)
+        if not k:
+            raise ContractError(f"{rs.request_id}: draft_slots {list(rs.draft_slots)} given without drafts")
+        if not 0 <= rs.start < rs.end == len(seq):
+            raise ContractError(f"{rs.request_id}: a step with drafts must compute through the sequence's last "
+                                f"token ({len(seq)}), not [{rs.start}, {rs.end})")
+        if rs.draft_slots and len(rs.draft_slots) != k:
+            raise ContractError(f"{rs.request_id}: {len(rs.draft_slots)} draft slots for {k} drafts (one per draft, "
+                                f"or none for a rollback scheme)")
+        slots = (rs.state_slot, *rs.draft_slots)
+        if len(set(slots)) != len(slots):
+            raise ContractError(f"{rs.request_id}: the running slot and the draft slots {list(slots)} must be "
+                                f"distinct (each verified position's state has its own slot)")
+        for slot in rs.draft_slots:
+            mem.check_slot(slot)
+        last = rs.end + k
+        bad = [p for p, _ in rs.snapshots if not rs.start < p <= last]
+        if bad:
+            raise ContractError(f"{rs.request_id}: snapshot positions {bad} outside ({rs.start}, {last}]")
+        full = seq + tuple(rs.drafts)
+        reads = self._init_state(rs, seq)
+        columns = {rs.end + i: slot for i, slot in enumerate(slots)} if rs.draft_slots else {last: rs.state_slot}
+        now = tuple((p, slot) for p, slot in rs.snapshots if p <= rs.end)
+        later = tuple((p, slot) for p, slot in rs.snapshots if p > rs.end)
+        if self.dry:
+            for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
+                mem.check_block(b)
+            loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
+            self.transport.computed(rs.request_id, loaded)
+            mem.mark_kv(rs.block_table, rs.start, last, full)
+            for pos, slot in (*columns.items(), *now):
+                mem.mark_state(slot, full[:pos])
+            self.deferred[rs.request_id] = [(pos, slot, None, full[:pos]) for pos, slot in later]
+            return Executed(rs, None, reads, loaded)
+        past = mem.read_kv(rs.block_table, rs.start)
+        states = mem.read_state(rs.state_slot)
+        loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
+        self.transport.computed(rs.request_id, loaded)
+        capture = tuple(sorted({*columns, *(p for p, _ in rs.snapshots)} - {last}))
+        res = self.model.step(full[rs.start: last], rs.start, past, states, capture=capture)
+        mem.write_kv(rs.block_table, rs.start, res.new_kv, full)
+        for pos, slot in (*columns.items(), *now):
+            mem.write_state(slot, res.states if pos == last else res.captured[pos], full[:pos])
+        self.deferred[rs.request_id] = [(pos, slot, res.states if pos == last else res.captured[pos], full[:pos])
+                                        for pos, slot in later]
+        return Executed(rs, res.logits, reads, loaded)
+
+    def commit_snapshots(self, request_id: str, accepted_end: int) -> None:
+        """The verifier accepted through ``accepted_end``: the snapshots held
+        back at draft positions up to it are taken (as an engine copies the
+        accepted column after verification, vLLM's ``postprocess_mamba``),
+        the others never are.  After every request's step of the plan ran."""
+        for pos, slot, states, prefix in self.deferred.pop(request_id, ()):
+            if pos <= accepted_end:
+                if states is None:
+                    self.memory.mark_state(slot, prefix)
+                else:
+                    self.memory.write_state(slot, states, prefix)

@@ -31,6 +31,7 @@ from conformance.contract import (
     ImplFactory,
     Layout,
     Request,
+    Speculation,
     StepPlan,
     Transfer,
     missing_methods,
@@ -41,10 +42,11 @@ from conformance.harness.guard import guarded
 from conformance.harness.history import History
 from conformance.harness.memory import Memory, Prefix
 from conformance.harness.observation import Record, Track
-from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
+from conformance.harness.ops import Abort, Deliver, Draft, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
 from conformance.harness.oracle import Oracle
 from conformance.harness.pool_probe import PoolProbe
 from conformance.harness.runner import Runner
+from conformance.harness.speculation import Speculator
 from conformance.harness.step import Stepping
 from conformance.harness.transfer_control import TransferControl
 from conformance.harness.transport import HostStore
@@ -85,6 +87,7 @@ class Session(Stepping, PoolProbe):
         # generator steers on and the coverage reports; see _settle).
         self.evicted = 0
         self._cached: set[tuple] = set()
+        self.speculator = Speculator.of(self)  # the harness as drafter and verifier (speculative decoding)
         self.observation = SessionObservation(self)
         self.checkers.attach(self.observation)
 
@@ -123,6 +126,8 @@ class Session(Stepping, PoolProbe):
             self.control.deliver(self.runner.transport, op.pick, op.outcome, op.delay)
         elif isinstance(op, StoreEvict):
             self.control.store_evict(self.runner.transport, op.pick)
+        elif isinstance(op, Draft):
+            self.speculator.propose(self, op)
         else:
             raise TypeError(f"unknown operation {op!r}")
 
@@ -161,6 +166,7 @@ class Session(Stepping, PoolProbe):
         self.call("abort", rid)
         track.done = True
         self.checkers.notify(Aborted(rid))
+        self.speculator.forget(rid)
         self._settle()
 
     def _drain(self, budget: int) -> None:
@@ -256,6 +262,10 @@ class SessionObservation:
 
     def pending_loads(self) -> list[Transfer]:
         return self._s.pending_loads()
+
+    @property
+    def speculation(self) -> Speculation | None:
+        return self._s.speculator.declared
 
     def declared(self, method: str) -> object:
         if method not in OPTIONAL_METHODS:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from conformance.harness.observation import Track
     from conformance.harness.oracle import Oracle
     from conformance.harness.runner import Runner
+    from conformance.harness.speculation import Speculator
 
 STALL_STEPS = 3
 
@@ -38,6 +39,7 @@ class Stepping:
         checkers: CheckerSet
         history: History
         runner: Runner
+        speculator: Speculator
         tracks: dict[str, Track]
         layout: Layout
         step_no: int
@@ -74,22 +76,31 @@ class Stepping:
         except ContractError as exc:
             raise ConformanceFailure("contract", str(exc)) from None
         self._record_transfers()
-        sampled = {}
+        sampled: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        self.speculator.last = {}
         for ex in executed:
             rs, track = ex.step, self.tracks[ex.step.request_id]
             if ex.logits is not None:  # the oracle's verdict, recorded; the logits checker judges it
-                verdict = self.oracle.judge(track.tokens, rs.start, ex.logits)
+                # a verification step's logits continue through its drafts
+                verdict = self.oracle.judge(track.tokens + tuple(rs.drafts), rs.start, ex.logits)
                 self.history.judged(rs, verdict, ex.reads)
                 ex = replace(ex, verdict=verdict)
             self.checkers.notify(ex)
-            track.computed = rs.end
+            at_end = rs.end == len(track.tokens)
+            n = self.speculator.accept(self, rs, track)  # drafts accepted: the sequence grows by them
+            if rs.drafts:
+                accepted[rs.request_id] = n
+                self.runner.commit_snapshots(rs.request_id, rs.end + n)
+            track.computed = rs.end + n
             track.steps += 1
-            if rs.end == len(track.tokens) and track.generated < track.max_new:
+            if at_end and track.generated < track.max_new:
                 tok = self.oracle.next_token(track.tokens)
                 track.tokens += (tok,)
                 track.generated += 1
                 sampled[rs.request_id] = tok
-        finished = self.call("update", plan, StepResult(sampled, transfers=tuple(self.runner.completed)))
+        finished = self.call("update", plan, StepResult(sampled, transfers=tuple(self.runner.completed),
+                                                        accepted=accepted))
         self._finish(list(finished or ()))
         view_after = self._settle()
         self.checkers.notify(StepRecord(self.step_no, plan, view_before, view, view_after, tuple(finished or ()),
@@ -155,6 +166,7 @@ class Stepping:
             elif rs.start > track.computed:
                 raise ConformanceFailure("contract", f"{rs.request_id}: step starts at {rs.start}, but only "
                                                      f"{track.computed} tokens were computed")
+            self.speculator.validate(rs, track)
         problems = plan_conflicts(plan, self.layout.block_size, {rs.request_id: self.tracks[rs.request_id].tokens
                                                                  for rs in plan.requests})
         if problems:  # memory two requests of the step contend for (conformance/harness/conflicts.py)

@@ -6,6 +6,7 @@
 - :mod:`~conformance.judge.lifetime`: the pool probe's verdict (a leak, whatever the view says);
 - :mod:`~conformance.judge.coverage`: the situations a run reached;
 - :mod:`~conformance.judge.retention`: a declared retention policy and its hit rate;
+- :mod:`~conformance.judge.spec_decode`: speculative decoding (only the accepted prefix is reusable);
 - :mod:`~conformance.judge.metrics`: cache metrics (measured, never failing).
 
 :func:`standard_checkers` composes them in the one place that decides the order.
@@ -31,9 +32,10 @@ def standard_checkers(families: tuple[str, ...] = ()) -> list[Checker]:
     from conformance.judge.lifetime import PoolProbeServed
     from conformance.judge.logits import LogitsMatchReference
     from conformance.judge.retention import RetentionChecker
+    from conformance.judge.spec_decode import AcceptedPrefixOnly, SpecCoverage
 
-    return [CoverageCounter(), HardHistoryCoverage(), TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(),
-            PoolProbeServed(),
+    return [CoverageCounter(), HardHistoryCoverage(), SpecCoverage(), TablesReferenced(), LogitsMatchReference(),
+            ViewMatchesMemory(), AcceptedPrefixOnly(), PoolProbeServed(),
             *(ExpectedHit() if family == "expected-hit" else RetentionChecker(family) for family in families)]
 
 

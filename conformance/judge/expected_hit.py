@@ -60,6 +60,14 @@ not have reused it, and only there:
   (their loads, their steps) is rightly no room.
 
 An implementation that declares no tier unit is held to the local part only.
+
+Speculative decoding: an implementation that declares a hit drop
+(``Speculation.hit_drop``: EAGLE and MTP give the last block of a hit back, for
+the drafter to recompute) is expected a reuse that much shorter, in both
+parts: the longest prefix with a state at most the KV hit less the drop.  What
+verification steps cached counts like anything else the view lists (memory
+proved it), and a rejected draft's content never does
+(:mod:`conformance.judge.spec_decode`).
 """
 
 from __future__ import annotations
@@ -140,10 +148,16 @@ class ExpectedHit(Checker):
         # host key -> the copy a load of which broke (a cache may stop trusting
         # that copy; a later offload under the same key is a new copy)
         self.distrusted: dict[str, object] = {}
+        self.hit_drop = 0  # Speculation.hit_drop, read when attached
 
     def attached(self, obs) -> None:
         self.decl = declared_retention(obs)
         self.unit = (self.decl or {}).get("tier_unit") or obs.layout.block_size
+        # Speculative decoding: a cache that drops the last block of a hit for
+        # its drafter (EAGLE / MTP, declared) is expected that much less.
+        declared = obs.speculation
+        self.hit_drop = declared.hit_drop if declared is not None else 0
+        self.window.hit_drop = self.hit_drop
 
     # -- the remote tier ------------------------------------------------------------------
     def _remote(self, obs, rid: str, prompt: Prefix, view, plan) -> int:
@@ -153,7 +167,10 @@ class ExpectedHit(Checker):
             return 0
         before = obs.last_view
         here = DeviceHeld(INDEXES.get(before, B), INDEXES.get(view, B))
-        best = longest_held(prompt, here, StoreIndex(store, B, self.distrusted), B, unit)
+        there = StoreIndex(store, B, self.distrusted)
+        best = longest_held(prompt, here, there, B, unit)
+        if best and self.hit_drop:  # what the drafter's drop leaves of it: a held prefix that much shorter
+            best = longest_held(prompt[: max(0, best - self.hit_drop) + 1], here, there, B, unit)
         if best and view is not None and view.kv_refcounts and not self._room(obs, rid, prompt[:best], view,
                                                                               before, here, plan):
             return -1  # no room to bring it in: excused

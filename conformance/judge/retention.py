@@ -176,6 +176,8 @@ class RetentionChecker(Checker):
         """Read (and validate) the implementation's declared policy."""
         self.decl = declared_retention(obs)
         self.B = obs.layout.block_size
+        declared = obs.speculation  # a drafter's hit drop (EAGLE / MTP) shortens every reuse
+        self.window.hit_drop = declared.hit_drop if declared is not None else 0
 
     def attached(self, obs) -> None:
         self.load(obs)
@@ -189,13 +191,19 @@ class RetentionChecker(Checker):
             self._check_lookups(obs, plan, view_before)
         offered: list[tuple[str, int, tuple[int, ...]]] = []
         self.step_no += 1
+        verified = obs.history.verified_this_step()
         for rs in plan.requests:
             track = obs.tracks[rs.request_id]
-            qs = self.checkpoints(rs.start, rs.end, track.prompt_len, frozenset(q for q, _ in rs.snapshots))
+            # a verification step reaches through its accepted drafts, and holds
+            # the state of each accepted position in a column of its own
+            v = verified.get(rs.request_id)
+            reach = rs.end + (v.accepted if v is not None else 0)
+            exported = {q for q, _ in rs.snapshots} | set(range(rs.end, reach + 1))
+            qs = self.checkpoints(rs.start, reach, track.prompt_len, frozenset(exported))
             if self.decl["junctions"]:
                 qs += self._junction(obs, view_before, track, rs)
             if self.decl["admission"] == "second-hit":
-                qs += self._sighted(track.tokens, rs.start, rs.end)
+                qs += self._sighted(track.tokens, rs.start, reach)
             if rs.request_id in finished and self.decl["sequence_ends"]:
                 qs.append(track.computed)
             mine = self.offered.setdefault(rs.request_id, set())

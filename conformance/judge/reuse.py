@@ -106,7 +106,10 @@ class LookupWindow:
     step, and :meth:`look` at a schedule() whose plan computed nothing (for a
     checker that wants those too: the expected-hit oracle does)."""
 
-    def __init__(self):
+    def __init__(self, hit_drop: int = 0):
+        # Speculative decoding with EAGLE / MTP: a non-zero KV hit gives back
+        # this many tokens (Speculation.hit_drop), then a state there.
+        self.hit_drop = hit_drop
         self.floor: dict[str, tuple[int, int]] = {}  # request -> (KV servable, reusable with a state)
         self.pending: set[str] = set()  # submitted, not started
         self.known = 0  # tracks seen so far
@@ -154,6 +157,6 @@ class LookupWindow:
         for rid in rids:
             prompt = tracks[rid].tokens[: tracks[rid].prompt_len]
             kv = min(before.kv_servable(prompt), after.kv_servable(prompt))
-            now = (kv, before.best_reuse(prompt, kv, also=after))
+            now = (kv, before.best_reuse(prompt, max(0, kv - self.hit_drop) if kv else 0, also=after))
             old = self.floor.get(rid, now)
             self.floor[rid] = (min(old[0], now[0]), min(old[1], now[1]))

@@ -93,6 +93,19 @@ CHECKS: tuple[CheckSpec, ...] = (
               ("tier_loads", "loads_held", "store_evicted_during_load", "remote_expected"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True,
               observe=("expected-hit",)),
+    # Speculative decoding (issue 22), with the implementation's own setting
+    # (its spec_option): drafts proposed by the harness, verified, accepted by
+    # the oracle; a pool small enough that verification meets eviction
+    # (two requests with k spare state slots each fill 12 slots).
+    CheckSpec("spec-decode", "spec",
+              "draft tokens verified against recurrent state: partial acceptance and rollback, zero-draft steps after "
+              "accepted ones, drafts across blocks, hits and snapshots after verification, aborts, pressure",
+              frozenset({"spec", "continue", "step"}),
+              ("drafts_rejected_all", "drafts_accepted_partial", "drafts_accepted_all", "zero_draft_after_accept",
+               "drafts_across_block", "hits_after_verify", "snapshots_after_verify", "aborts_with_drafts",
+               "verify_under_pressure", "verify_beside_chunked_prefill"),
+              num_kv_blocks=32, num_state_slots=12, max_seq_blocks=10, max_active=2, max_new_tokens=12, spec=True,
+              observe_when_declared=("expected-hit",)),
 )
 
 MIXED = mixed()

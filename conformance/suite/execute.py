@@ -33,12 +33,15 @@ def record_check(out: Path | None, result: RunResult, res: CheckResult) -> None:
         report.write_all(out, result)
 
 
-def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None):
+def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None, spec_option=None):
     # A check's own setting of the tier option (a matrix variant choosing the
-    # connector's mode) wins over the plain "on".
+    # connector's mode) wins over the plain "on"; so does a variant's number
+    # of speculative tokens over the implementation's own.
     tier = dict([tier_option]) if spec.tier and tier_option and tier_option[0] not in spec.options else {}
+    drafts = dict([spec_option]) if spec.spec and spec_option and spec_option[0] not in spec.options else {}
     return spec.impl_config(block_size=opts.block_size, num_kv_blocks=opts.num_kv_blocks,
-                            num_state_slots=opts.num_state_slots, options={**spec.options, **tier, **opts.impl_options})
+                            num_state_slots=opts.num_state_slots,
+                            options={**spec.options, **tier, **drafts, **opts.impl_options})
 
 
 class _Hung(Exception):
@@ -120,7 +123,12 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
-    asked = check_impl_config(spec, opts, tier_option)
+    spec_option = getattr(factory, "spec_option", None)
+    if spec.spec and not spec_option:
+        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           options=parse_variant_id(spec.id)[1],
+                           reason="the implementation has no speculative decoding (no spec_option class attribute)")
+    asked = check_impl_config(spec, opts, tier_option, spec_option)
     if spec.observe and isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
         return _no_retention(spec, asked)  # known without building it (its options may not be this check's)
     try:
@@ -135,7 +143,7 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     declared = None if built is not None else _UNKNOWN
     try:
         impl_config = real_block_size(factory, asked, opts.timeout, built) if built is not None else asked
-        if spec.observe and built is not None:
+        if (spec.observe or spec.observe_when_declared) and built is not None:
             declared = _declared_retention(factory, impl_config, opts.timeout,
                                            built if impl_config is asked else None)
     except _Hung as hung:
@@ -152,6 +160,9 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     why = ("the implementation declares no tier unit (retention()['tier_unit']): the expected-hit oracle "
            "cannot judge what it reuses from its second tier",) if untiered else ()
     notes.extend(why)
+    if spec.observe_when_declared and declared is None:
+        notes.append(f"the implementation declares no retention policy: {', '.join(spec.observe_when_declared)} "
+                     f"did not judge this check")
     if spec.observe and declared is None:
         return _no_retention(spec, impl_config)
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
@@ -209,7 +220,7 @@ def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, mo
 
     def outcome(ops):
         return replay_fails(factory, impl_config, model, oracle, ops, env.attach if env is not None else None,
-                            timeout=opts.timeout, families=spec.observe)
+                            timeout=opts.timeout, families=spec.observers)
 
     def still_fails(ops) -> bool:
         exc, _ = outcome(ops)

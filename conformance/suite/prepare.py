@@ -87,15 +87,16 @@ def _check_mutant_target(mutant, impl: str, factory) -> None:
     nothing."""
     from conformance.adapters.reference import ReferenceCache
 
-    if mutant.target in ("reference", "reference-disagg"):  # the latter wraps the reference's disaggregated mode
+    target = mutant.target.removesuffix("-spec")  # a mutant of speculative decoding wraps the implementation
+    if target in ("reference", "reference-disagg"):  # the latter wraps the reference's disaggregated mode
         fits = isinstance(factory, type) and issubclass(factory, ReferenceCache)
-        if not fits and mutant.target == "reference-disagg":
+        if not fits and target == "reference-disagg":
             from conformance.adapters.reference.disagg import ReferenceDisagg
 
             fits = isinstance(factory, type) and issubclass(factory, ReferenceDisagg)
     else:
         # "vllm-disagg" wraps the vLLM adapter's disaggregated mode (VllmCache.disagg_factory)
-        target = mutant.target.removesuffix("-disagg")
+        target = target.removesuffix("-disagg")
         fits = impl == target or getattr(factory, "__module__", "").startswith(f"conformance.adapters.{target}")
     if not fits:
         raise UsageError(f"--mutant {mutant.name}: a mutant of the {mutant.target} implementation, not of "
@@ -113,7 +114,7 @@ def _check_impl_options(factory, specs, opts: RunOptions, tier_option) -> None:
     from conformance.suite.execute import check_impl_config
 
     for spec in specs:
-        config = check_impl_config(spec, opts, tier_option)
+        config = check_impl_config(spec, opts, tier_option, getattr(factory, "spec_option", None))
         try:
             validate(config)
         except ValueError as exc:

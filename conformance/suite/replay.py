@@ -153,7 +153,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
 
 def _observers_of(check_id: str) -> tuple[str, ...]:
     try:
-        return get_check(check_id).observe
+        return get_check(check_id).observers
     except KeyError:  # a scenario file names no check of this suite: logits and invariants only
         return ()
 

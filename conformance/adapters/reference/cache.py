@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from conformance.adapters.reference.block_pool import ROOT, BlockPool, chain
 from conformance.adapters.reference.host_tier import HostTier
 from conformance.adapters.reference.policy import RetentionPolicy, Sightings
+from conformance.adapters.reference.speculative import SpecOptions, SpeculativeDecoding
 from conformance.adapters.reference.state_pool import StatePool
 from conformance.contract import (
     FRESH,
@@ -49,6 +50,10 @@ class _Req:
     init: StateInit = FRESH
     pins: list[tuple[str, int]] = field(default_factory=list)  # held until the step ran
     offered: int = -1  # last position offered for retention: one sighting per request and position
+    # speculative decoding (speculative.py)
+    proposed: tuple[int, ...] = ()  # drafts proposed for the next step
+    spare: list[int] = field(default_factory=list)  # state slots for the verified positions, held
+    resume_slot: int | None = None  # the slot holding the state at ``computed`` when not ``slot``
 
 
 @dataclass
@@ -60,10 +65,11 @@ class Match:
     slot: int | None
 
 
-class ReferenceCache:
+class ReferenceCache(SpeculativeDecoding):
     name = "reference"
     version = "1.0"
     tier_option = ("host_tier", True)  # how the harness turns the second tier on (faults, tier mutants)
+    spec_option = ("spec_tokens", 3)  # how the harness turns speculative decoding on (the "spec" family)
     # The disaggregated mode the "disagg" family runs (prefill and decode workers; a class
     # attribute, so the single-worker contract is untouched).
     from conformance.adapters.reference.disagg import ReferenceDisagg as disagg_factory  # noqa: E402
@@ -72,12 +78,14 @@ class ReferenceCache:
     def validate_options(cls, config: ImplConfig) -> None:
         """Raises ValueError for options this cache rejects (the harness makes that a usage error)."""
         RetentionPolicy.from_options(config.options, config.block_size)
+        SpecOptions.from_options(config.options)
 
     def __init__(self, config: ImplConfig | None = None):
         config = config or ImplConfig()
         self.config = config
         self.B = config.block_size
         self.policy = RetentionPolicy.from_options(config.options, self.B)
+        self.spec = SpecOptions.from_options(config.options)
         self.kv = BlockPool(config.num_kv_blocks)
         self.states = StatePool(config.num_state_slots)
         self.sightings = Sightings()
@@ -127,11 +135,14 @@ class ReferenceCache:
             self.tier.complete(result.transfers)
         for step in plan.requests:
             req = self._find(step.request_id)
-            req.computed = step.end
             self._unpin(req)
-            self._register_blocks(req)
-            if self.policy.is_checkpoint(step.end, req.prompt_len, self.B) or self._sighted(req, step.end):
-                self._register_snapshot(req)
+            if step.drafts:
+                self._verified(req, step, result.accepted.get(step.request_id, 0), result.sampled.get(step.request_id))
+            else:
+                req.computed = step.end
+                self._register_blocks(req)
+                if self.policy.is_checkpoint(step.end, req.prompt_len, self.B) or self._sighted(req, step.end):
+                    self._register_snapshot(req)
             if step.request_id in result.sampled:
                 req.tokens.append(result.sampled[step.request_id])
                 req.generated += 1
@@ -258,7 +269,7 @@ class ReferenceCache:
 
     def _match(self, prompt: list[int]) -> Match:
         kv_len, blocks, keys = self._match_kv(prompt)
-        return self._reconcile(prompt, kv_len, blocks, keys)
+        return self._reconcile(prompt, self._hit_kv_length(kv_len), blocks, keys)
 
     def _match_kv(self, prompt: list[int]) -> tuple[int, list[int], list[int]]:
         """Longest KV prefix, token by token.  ``keys[i]`` is the chain key of
@@ -296,14 +307,22 @@ class ReferenceCache:
         if cut is not None:
             n = min(n, cut - req.computed)
         end = req.computed + n
-        if not self._grow(req, end):
-            return None
+        drafts = self._drafts_for(req, end, budget - n) if self.spec.tokens else ()
+        if not (drafts and self._grow(req, end + len(drafts))):
+            drafts = ()
+            if not self._grow(req, end):
+                return None
+        if self.spec.tokens:
+            self._resume(req, bool(drafts))  # after a verification: the accepted column runs on
         if req.slot is None:  # the previous slot became a snapshot: copy before extend
             req.slot = self.states.allocate()
             if req.slot is None:
                 return None
         init, req.init = req.init, RESUME
-        return RequestStep(req.request_id, req.computed, end, tuple(req.blocks), req.slot, init)
+        drafts, draft_slots, snapshots = self._verification(req, end, drafts)
+        req.proposed = ()  # a proposal lasts until the request's next step
+        return RequestStep(req.request_id, req.computed, end, tuple(req.blocks), req.slot, init,
+                           snapshots=snapshots, drafts=drafts, draft_slots=draft_slots)
 
     def _grow(self, req: _Req, end: int) -> bool:
         need = -(-end // self.B) - len(req.blocks)
@@ -372,6 +391,7 @@ class ReferenceCache:
             self.kv.register(parent, tuple(req.tokens[n // B * B: n]), tuple(req.tokens[:n]), req.blocks[n // B])
 
     def _finish(self, req: _Req) -> None:
+        self._resume(req, True)  # the state at the sequence's end may sit in a verified column
         self._register_tail(req)
         if req.slot is not None:
             self._register_snapshot(req)
@@ -382,6 +402,7 @@ class ReferenceCache:
         self._release_blocks(req.blocks)
         if req.slot is not None:
             self.states.release(req.slot)
+        self._release_spare(req)
         req.blocks, req.slot = [], None
         if req in self.running:
             self.running.remove(req)

@@ -23,6 +23,7 @@ from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+import conformance.adapters.vllm.speculative as speculative
 from conformance.adapters.vllm.config import (
     VllmOptions,
     build_kv_cache_config,
@@ -32,7 +33,7 @@ from conformance.adapters.vllm.config import (
 from conformance.adapters.vllm.disagg import VllmDisagg
 from conformance.adapters.vllm.translate import RunnerState
 from conformance.adapters.vllm.view import HashRegistry, build_view
-from conformance.contract import ImplConfig, Layout, Request, StepPlan, StepResult
+from conformance.contract import ImplConfig, Layout, Request, Speculation, StepPlan, StepResult
 
 # Any token id: ignore_eos=True keeps it from ending a request early.
 _EOS = 2
@@ -42,13 +43,23 @@ class VllmCache:
     name = "vllm"
     version = vllm.__version__
     tier_option = ("connector", True)  # the store connector, asynchronous loads (see .connector)
+    spec_option = ("spec_tokens", 2)  # speculative decoding, EAGLE's configuration unless a variant says (.speculative)
     # Prefill/decode: two Schedulers with the NixlConnector's scheduler side (see .disagg).
     disagg_factory = VllmDisagg
 
     @classmethod
     def validate_options(cls, config: ImplConfig) -> None:
-        """Raises ValueError for options this adapter rejects (the harness makes that a usage error)."""
-        VllmOptions.from_config(config)
+        """Raises ValueError for options this adapter rejects (the harness makes that a usage error).
+        A speculative configuration is built here, as vLLM validates one by
+        building it (once per process, outside any call's timeout: the draft
+        model's config is inspected in a subprocess, 30 s and more on a loaded
+        machine)."""
+        opts = VllmOptions.from_config(config)
+        if opts.spec_tokens:
+            from conformance.adapters.vllm.config import model_config
+
+            speculative.speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes,
+                                           model_config(opts.max_model_len))
     # The configurations under which each check family's situations are
     # reachable in vLLM (conformance/suite/config_matrix.py expands every check into
     # one variant per set; ``{}`` is vLLM's defaults: match unit = block size,
@@ -68,6 +79,14 @@ class VllmCache:
         "retention": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
         "hit-rate": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
         "disagg": ({},),  # its own pairing of two schedulers (.disagg): once
+        # speculative decoding (.speculative): EAGLE's lookahead block hashes (0.33's
+        # default with prefix caching), its block drop (the path without them), ngram
+        # (no lookahead, no drop, speculative Mamba blocks still), sub-block matching
+        # (dense retention: vLLM's default, interval 0, keeps no state at a decode
+        # boundary, so no accepted draft's state could be cached or hit)
+        "spec": ({"spec_method": "eagle", "retention_interval": None},
+                 {"spec_method": "eagle", "spec_lookahead_hashes": False, "retention_interval": None},
+                 {"spec_method": "ngram", "retention_interval": None}),
         "*": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "connector": "divergent"}),
     }
 
@@ -100,7 +119,7 @@ class VllmCache:
         self._pending = None  # the SchedulerOutput of the plan being executed
         self._pending_plan = None
         self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "resumed": 0,
-                      "prefill_checkpoints": 0}
+                      "prefill_checkpoints": 0, "verified": 0, "accepted": 0}
 
     @classmethod
     def warm_up(cls) -> None:
@@ -138,7 +157,11 @@ class VllmCache:
             self._close(self._pending)
         # The harness budget is the scheduler's token budget for this step.
         # vLLM reads it at the top of schedule() and for align-mode chunk cuts.
-        self.scheduler.max_num_scheduled_tokens = max(1, int(budget))
+        # With speculative decoding vLLM refuses a max_num_batched_tokens at or
+        # below num_lookahead_tokens at start-up (config/vllm.py
+        # _set_max_num_scheduled_tokens): no step of a configuration it runs has
+        # a smaller budget (EAGLE / MTP: k + 1; ngram: 1, .speculative).
+        self.scheduler.max_num_scheduled_tokens = max(self.vllm_config.num_lookahead_tokens + 1, int(budget))
         so = self.scheduler.schedule()
         self.stats["steps"] += 1
         self.stats["copies"] += len(so.kv_cache_block_copies or ())
@@ -169,9 +192,14 @@ class VllmCache:
         if so is None:
             return []  # completions of a step already closed: reported with the next one
         ids = list(so.num_scheduled_tokens)
+        steps = {rs.request_id: rs for rs in plan.requests}
         out = ModelRunnerOutput(req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                                sampled_token_ids=[[result.sampled[r]] if r in result.sampled else [] for r in ids],
+                                sampled_token_ids=[speculative.sampled(steps[r], result) for r in ids],
                                 kv_connector_output=self._connector_output())
+        for r in ids:  # the worker's accepted counts, for the next step's state columns
+            self.runner.verified(r, result.accepted.get(r, 0))
+        self.stats["verified"] += sum(1 for rs in plan.requests if rs.drafts)
+        self.stats["accepted"] += sum(result.accepted.values())
         self.scheduler.update_from_output(so, out)
         self._record_hashes()
         finished = [rid for rid, req in self.requests.items()
@@ -216,6 +244,13 @@ class VllmCache:
             # are one suffix loaded into new blocks, kv_cache_manager.py:455-473).
             decl["tier_unit"] = o.block_size
         return decl
+
+    def speculation(self) -> Speculation | None:
+        """vLLM's speculative decoding as the contract states it (.speculative)."""
+        return speculative.declaration(self.scheduler, self.vllm_config)
+
+    def propose_drafts(self, request_id: str, tokens: tuple[int, ...]) -> None:
+        speculative.propose(self.scheduler, request_id, tokens)
 
     def view(self):
         running = tuple(r.request_id for r in self.scheduler.running)

@@ -81,6 +81,10 @@ class VllmOptions:
     - ``layer``: whose ``get_kv_cache_spec`` the Mamba group follows: ``"mamba2"``
       (``MambaMixer2``: one prefill checkpoint block, alignment 1) or ``"gdn"``
       (Gated DeltaNet as it runs on a CPU or with Triton: none).
+    - ``spec_tokens``: speculative decoding with k drafts per step (0: off;
+      :mod:`.speculative`), by ``spec_method`` (``"eagle"``, ``"mtp"``,
+      ``"ngram"``); ``spec_lookahead_hashes`` false sets
+      ``disable_lookahead_block_hashes`` (the block-drop path).
 
     ``block_size`` is the block size vLLM ends up with for the asked one
     (:func:`hybrid_block_size`), the same for both groups in align mode.
@@ -96,12 +100,16 @@ class VllmOptions:
     shared_prefix_checkpoint: bool = False
     connector: dict | None = None
     layer: str = "mamba2"
+    spec_tokens: int = 0
+    spec_method: str = "eagle"
+    spec_lookahead_hashes: bool = True
 
     @classmethod
     def from_config(cls, config: ImplConfig) -> VllmOptions:
         o = dict(config.options)
         known = {"prefix_match_unit", "retention_interval", "interval", "admission", "max_num_seqs",
-                 "max_model_len", "shared_prefix_checkpoint", "connector", "layer"}
+                 "max_model_len", "shared_prefix_checkpoint", "connector", "layer", "spec_tokens", "spec_method",
+                 "spec_lookahead_hashes"}
         unknown = set(o) - known
         if unknown:
             raise ValueError(f"unknown vLLM adapter options: {sorted(unknown)} (known: {sorted(known)})")
@@ -124,7 +132,16 @@ class VllmOptions:
         # Block 0 is vLLM's null block; the pool needs at least one usable block.
         if config.num_kv_blocks < 2:
             raise ValueError("the vLLM block pool needs at least 2 blocks (block 0 is the null block)")
+        from conformance.adapters.vllm.speculative import validate as validate_spec
+
+        spec = (o.get("spec_tokens", 0), o.get("spec_method", "eagle"), o.get("spec_lookahead_hashes", True))
+        validate_spec(*spec)
+        if spec[0] and spec[0] > bs:
+            raise ValueError(f"spec_tokens {spec[0]} above the block size {bs}: vLLM's coordinator refuses a block "
+                             f"size below the prefill lookahead, and a verification would span more than one "
+                             f"block boundary")
         return cls(block_size=bs, num_blocks=config.num_kv_blocks, prefix_match_unit=pmu,
+                   spec_tokens=spec[0], spec_method=spec[1], spec_lookahead_hashes=spec[2],
                    retention_interval=interval, admission=admission,
                    max_num_seqs=int(o.get("max_num_seqs", 16)), max_model_len=int(o.get("max_model_len", 4096)),
                    shared_prefix_checkpoint=bool(o.get("shared_prefix_checkpoint", False)),
@@ -226,6 +243,11 @@ def _model_config(max_model_len: int):
     return ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)
 
 
+def model_config(max_model_len: int = VllmOptions.max_model_len):
+    """The adapter's tiny ``ModelConfig`` (built once per process)."""
+    return _model_config(max_model_len)
+
+
 def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
     """A VllmConfig with prefix caching on and Mamba "align" mode."""
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
@@ -241,6 +263,11 @@ def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
                         prefix_cache_retention_interval=opts.retention_interval,
                         enable_mamba_shared_prefix_checkpoint=opts.shared_prefix_checkpoint)
     kw = {} if kv_transfer_config is None else {"kv_transfer_config": kv_transfer_config}
+    if opts.spec_tokens:
+        from conformance.adapters.vllm.speculative import speculative_config
+
+        kw["speculative_config"] = speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes,
+                                                      _model_config(opts.max_model_len))
     vc = VllmConfig(model_config=_model_config(opts.max_model_len), scheduler_config=sched, cache_config=cache,
                     **kw)
     vc.cache_config.num_gpu_blocks = opts.num_blocks
@@ -262,9 +289,11 @@ def mamba_spec(opts: VllmOptions):
     attn_page = opts.block_size * attention_page_per_token()
     padded = attn_page if attn_page != mamba_page(opts.layer) else None
     kind = MambaAttentionBackendEnum.GDN_ATTN if opts.layer == "gdn" else MambaAttentionBackendEnum.MAMBA2
+    # MambaBase.get_kv_cache_spec (abstract.py ~72-91): num_speculative_blocks =
+    # vllm_config.num_speculative_tokens, for every speculative method.
     spec = MambaSpec(block_size=opts.block_size, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
                      page_size_padded=padded, mamba_type=kind, mamba_cache_mode="align",
-                     num_speculative_blocks=0)
+                     num_speculative_blocks=opts.spec_tokens)
     if opts.layer == "mamba2":
         # mamba_mixer2.py:1117: always, whatever the backend.
         spec = replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)

@@ -3,7 +3,8 @@
 vLLM's scheduler tells the runner the chunk sizes, the block tables (as deltas)
 and the copy-on-write block copies.  It does *not* list the Mamba state moves:
 the runner derives them (``vllm/v1/worker/mamba_utils.py::preprocess_mamba``,
-V1 path, no speculative blocks).  :class:`RunnerState` re-derives exactly that,
+V1 path; with speculative decoding the accepted column too, see
+:mod:`.speculative`).  :class:`RunnerState` re-derives exactly that,
 because the harness stands where vLLM's GPU model runner would, and that code
 cannot be imported on a CPU (it loads Triton kernels).
 
@@ -49,6 +50,13 @@ class RunnerState:
     requests: dict[str, _ReqState] = field(default_factory=dict)
     # preprocess_mamba's ``mamba_state_idx``: request -> column of its running state
     mamba_state_idx: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding (.speculative): the input batch's num_accepted_tokens
+    # (accepted drafts + 1; 1 by default), and what each verification row of the
+    # step in flight needs once its acceptance is known: (end, running column).
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    verifying: dict[str, tuple[int, int]] = field(default_factory=dict)
+    drop_eagle_block: bool = False  # MambaPrefillCheckpointBuilder.drop_eagle_block
+    num_hash_lookahead_tokens: int = 0
 
     @classmethod
     def for_config(cls, vllm_config, kv_cache_config) -> RunnerState:
@@ -57,10 +65,16 @@ class RunnerState:
         resolved (``MambaPrefillCheckpointBuilder.build``) and the Mamba spec."""
         cache = vllm_config.cache_config
         spec = kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec
-        return cls(mamba_block_size=spec.block_size, hash_block_size=cache.hash_block_size,
+        sc = vllm_config.speculative_config
+        lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", 0)  # none before 0.33
+        return cls(mamba_block_size=spec.block_size, num_spec_blocks=spec.num_speculative_blocks,
+                   hash_block_size=cache.hash_block_size,
                    cache_hit_alignment_tokens=cache.cache_hit_alignment_tokens,
                    checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
-                   checkpoint_alignment=spec.prefill_checkpoint_alignment)
+                   checkpoint_alignment=spec.prefill_checkpoint_alignment,
+                   # checkpoint.py MambaPrefillCheckpointBuilder.__init__
+                   drop_eagle_block=sc is not None and sc.use_eagle_block_drop() and not lookahead,
+                   num_hash_lookahead_tokens=lookahead)
 
     def prev_state_idx(self, rid: str, num_computed: int) -> int:
         """The column holding the state at ``num_computed`` (-1: start fresh).
@@ -76,6 +90,7 @@ class RunnerState:
         resumed = so.scheduled_cached_reqs.resumed_req_ids
         for rid in set(so.finished_req_ids) | set(so.preempted_req_ids or ()) | set(resumed):
             self.mamba_state_idx.pop(rid, None)
+            self.num_accepted.pop(rid, None)  # the input batch's row goes, and its count with it
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
 
@@ -83,6 +98,7 @@ class RunnerState:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = _ReqState([list(g) for g in new.block_ids])
             self.mamba_state_idx.pop(new.req_id, None)  # an id reused after an abort is a new request
+            self.num_accepted.pop(new.req_id, None)
             starts[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -96,15 +112,19 @@ class RunnerState:
 
         copies = tuple((c.src_block_id, c.dst_block_id) for c in so.kv_cache_block_copies or ())
         steps = []
+        self.verifying = {}
+        spec_tokens = so.scheduled_spec_decode_tokens or {}
         for rid, n in so.num_scheduled_tokens.items():
             start = starts[rid]
-            steps.append(self._request_step(rid, start, start + n))
+            steps.append(self._request_step(rid, start, start + n, tuple(spec_tokens.get(rid, ()))))
         # One physical page per block id serves whichever group owns it, and
         # vLLM's runner copies a block across *every* layer's cache: so a copy
         # is applied to both the harness's KV blocks and its state slots.
         return StepPlan(requests=tuple(steps), kv_copies=copies, state_copies=copies)
 
-    def _request_step(self, rid: str, start: int, end: int) -> RequestStep:
+    def _request_step(self, rid: str, start: int, end: int, spec: tuple[int, ...] = ()) -> RequestStep:
+        """``end``: the scheduled tokens' end, drafts included; ``spec`` the
+        row's scheduled spec tokens (drafts, or ``-1`` padding)."""
         tables = self.requests[rid].tables
         mamba = tables[MAMBA_GROUP]
         prev = self.prev_state_idx(rid, start)
@@ -112,14 +132,52 @@ class RunnerState:
         num_blocks = cdiv(end, self.mamba_block_size) + self.num_spec_blocks
         curr = num_blocks - 1 - self.num_spec_blocks
         self.mamba_state_idx[rid] = curr
+        # The accepted column of the previous verification (accept_token_bias):
+        # preprocess_mamba copies it into the new running block, or, where the
+        # block did not move, the GDN kernel resumes from it.
+        bias = self.num_accepted.get(rid, 1) - 1
         if prev == -1:
             init = FRESH
-        elif prev != curr:
-            init = copy_from(mamba[prev])  # copy before extend: a cached block is never mutated
+        elif prev != curr or bias:
+            init = copy_from(mamba[prev + bias])  # copy before extend: a cached block is never mutated
         else:
             init = RESUME
-        return RequestStep(rid, start, end, tuple(tables[ATTN_GROUP]), mamba[curr], init,
-                           snapshots=self._prefill_checkpoint(mamba, start, end))
+        if not spec:
+            return RequestStep(rid, start, end, tuple(tables[ATTN_GROUP]), mamba[curr], init,
+                               snapshots=self._prefill_checkpoint(mamba, start, end))
+        # A speculative row: the real token, then the drafts (or padding: a
+        # request with one token to compute padded to 1 + k, scheduler.py
+        # ~1308-1330; its padding computes nothing the harness could judge and
+        # nothing reads, so the step is the real token alone).
+        drafts = tuple(t for t in spec if t >= 0)
+        real_end = end - len(spec)
+        self.verifying[rid] = (real_end, curr)
+        B = self.mamba_block_size
+        columns = [(real_end + j, mamba[curr + j]) for j in range(len(drafts) + 1)]
+        snapshots = []
+        for pos, _src in columns:
+            # postprocess_mamba_fused_kernel: the accepted boundary column is copied
+            # into the block that holds the state at that boundary (a draft
+            # position's copy is taken only if the verifier accepts through it).
+            dest = pos // B - 1
+            if pos % B == 0 and 0 <= dest < len(mamba) and mamba[dest] != 0 and dest != curr + (pos - real_end):
+                snapshots.append((pos, mamba[dest]))
+        return RequestStep(rid, start, real_end, tuple(tables[ATTN_GROUP]), mamba[curr], init,
+                           snapshots=tuple(snapshots), drafts=drafts,
+                           draft_slots=tuple(slot for _pos, slot in columns[1:]))
+
+    def verified(self, rid: str, accepted: int) -> None:
+        """After a step: the sampler's count for the row (accepted drafts + 1),
+        and postprocess_mamba's reset to 1 where the accepted boundary column
+        was copied into the running block itself."""
+        real_end, curr = self.verifying.get(rid, (None, None))
+        if real_end is None:
+            self.num_accepted[rid] = 1
+            return
+        new = real_end + accepted
+        aligned = new // self.mamba_block_size * self.mamba_block_size
+        same = aligned >= real_end and aligned // self.mamba_block_size - 1 == curr
+        self.num_accepted[rid] = 1 if same else accepted + 1
 
     def _prefill_checkpoint(self, mamba: list[int], start: int, end: int) -> tuple[tuple[int, int], ...]:
         """The state the worker exports from inside this step, if any
@@ -129,12 +187,13 @@ class RunnerState:
             return ()
         from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
 
-        # No speculative decoding: drop_eagle_block is False (the builder's
-        # speculative_config is None).
+        # num_hash_lookahead_tokens: 0.33's, absent before (it is 0 there)
+        lookahead = {"num_hash_lookahead_tokens": self.num_hash_lookahead_tokens} \
+            if self.num_hash_lookahead_tokens else {}
         offsets, cols = compute_mamba_prefill_checkpoints(
             [end], [end - start], hash_block_size=self.hash_block_size, mamba_block_size=self.mamba_block_size,
-            checkpoint_alignment=self.checkpoint_alignment, drop_eagle_block=False,
-            cache_hit_alignment_tokens=self.cache_hit_alignment_tokens)
+            checkpoint_alignment=self.checkpoint_alignment, drop_eagle_block=self.drop_eagle_block,
+            cache_hit_alignment_tokens=self.cache_hit_alignment_tokens, **lookahead)
         offset, col = offsets[0], cols[0]
         if not offset:
             return ()

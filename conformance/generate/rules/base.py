@@ -74,7 +74,7 @@ class MachineBase(RuleBasedStateMachine):
         self.bases = bases
         try:
             self.session = make_session(self.impl_factory, self.impl_config, self.model, self.oracle,
-                                        standard_checkers(self.spec.observe), timeout=self.timeout)
+                                        standard_checkers(self.spec.observers), timeout=self.timeout)
         except ImplementationError as exc:
             self._found(exc)
             raise
@@ -143,7 +143,10 @@ class MachineBase(RuleBasedStateMachine):
         if len(active) >= self.spec.max_active or length + max_new > self.max_len:
             return False
         need = sum(-(-(t.prompt_len + t.max_new) // B) + 1 for t in active) + -(-(length + max_new) // B) + 1
-        return need <= cfg.num_kv_blocks and 2 * (len(active) + 1) <= cfg.num_state_slots
+        # speculative decoding: a state slot per draft a request may verify, besides its two
+        declared = self.session.speculator.declared
+        slots = 2 + (declared.max_drafts if declared is not None else 0)
+        return need <= cfg.num_kv_blocks and slots * (len(active) + 1) <= cfg.num_state_slots
 
     def new_id(self) -> str:
         self.next_id += 1

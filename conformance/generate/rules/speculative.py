@@ -1,0 +1,148 @@
+"""Speculative decoding, drawn by Hypothesis (rule group ``spec``; the check
+runs with the implementation's speculative decoding on, its ``spec_option``).
+
+The harness is the drafter: a rule proposes ``count`` drafts for a request in
+decode, of which the first ``agree`` are the reference's next tokens
+(:class:`~conformance.harness.ops.Draft`), and steps; the draws cover draft
+lengths 0..k and acceptance 0..k, a step without drafts right after one that
+accepted, drafts across a block boundary (the positions fall where they fall:
+k up to 3 against 4-token blocks), a prefix hit on a sequence speculation
+produced, aborts with drafts in flight, verification while a distinct prompt
+evicts, and verification beside another request's chunked prefill.  Their
+coverage is counted by :class:`conformance.judge.spec_decode.SpecCoverage`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+
+from conformance.generate import strategies
+from conformance.generate.configured import configured_rule
+from conformance.generate.rules.base import MachineBase
+from conformance.harness.ops import Abort, Draft, Drain, Step, Submit
+
+_DRAFTS: dict[str, Any] = dict(which=lambda c: st.integers(0, 7), count=lambda c: st.integers(0, 3),
+               agree=lambda c: st.integers(0, 3))
+
+
+def _speculating(self) -> bool:
+    return self.enabled("spec") and self.busy() and self.session.speculator.declared is not None
+
+
+class Speculative(MachineBase):
+    """Verification steps under the generator's control (see the module docstring)."""
+
+    def _ready(self) -> list[str]:
+        spec, tracks = self.session.speculator, self.session.tracks
+        return [r for r in self.session.active() if spec.ready(tracks[r])]
+
+    def _until_ready(self, steps: int = 6) -> list[str]:
+        """Requests in decode, stepping (at most ``steps``) until there is one."""
+        for _ in range(steps):
+            ready = self._ready()
+            if ready or not self.busy():
+                return ready
+            self.apply(Step(1024))
+        return self._ready()
+
+    def _draft(self, which: int, count: int, agree: int) -> str | None:
+        ready = self._until_ready()
+        if not ready:
+            return None
+        rid = ready[which % len(ready)]
+        self.apply(Draft(rid, count, agree))
+        return rid
+
+    def _verify(self, rid: str, budget: int = 1024) -> None:
+        self.apply(Step(budget))
+        self.verified.extend(self.session.speculator.last.values())
+
+    @property
+    def verified(self) -> list:
+        """The verifications of this example's rules (harness records, by the oracle's acceptance)."""
+        return self.__dict__.setdefault("_verified", [])
+
+    @configured_rule(precondition=_speculating, follow=lambda c: st.booleans(), **_DRAFTS)
+    def verify(self, which, count, agree, follow):
+        """Drafts for a request in decode, verified in the next step; then,
+        drawn, a step without drafts (the accepted column must carry on)."""
+        rid = self._draft(which, count, agree)
+        if rid is None:
+            return
+        self._verify(rid)
+        if follow and rid in self.session.active():
+            self.apply(Step(1024))
+
+    @configured_rule(precondition=_speculating, after=lambda c: st.booleans(), **_DRAFTS)
+    def abort_verifying(self, which, count, agree, after):
+        """The client goes away with drafts proposed, or right after the step
+        that verified them."""
+        rid = self._draft(which, max(1, count), agree)
+        if rid is None:
+            return
+        if after:
+            self._verify(rid)
+        if rid in self.session.active():
+            self.apply(Abort(rid))
+
+    @configured_rule(precondition=_speculating,
+                     prompt=lambda c: strategies.tokens(c.vocab, max(3 * c.B, min(c.max_len, c.num_kv_blocks // 2
+                                                                                   * c.B) - 1)),
+                     **_DRAFTS)
+    def verify_under_pressure(self, prompt, which, count, agree):
+        """A long distinct prompt arrives with the verification step: its
+        allocations (and the drafts' state slots) evict while drafts are
+        verified."""
+        rid = self._draft(which, count, agree)
+        if rid is None:
+            return
+        track = self.session.tracks[rid]
+        distinct = tuple((t + 1 + len(track.tokens)) % self.model.config.vocab_size for t in prompt)
+        if self.fits(len(distinct), 1):
+            self.apply(Submit(self.new_id(), distinct, 1))
+        self._verify(rid)
+
+    @configured_rule(precondition=_speculating, base=lambda c: st.integers(0, 2),
+                     cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
+                     extra=lambda c: st.sampled_from(sorted({1, 2, c.B - 1, c.B + 1} - {0})), **_DRAFTS)
+    def verify_beside_prefill(self, base, cut, extra, which, count, agree):
+        """A new prompt arrives as drafts are verified, under a budget that
+        leaves it a chunk ending before its prompt does."""
+        rid = self._draft(which, count, agree)
+        if rid is None:
+            return
+        prompt = self.bases[base][: max(cut, 2 * self.B + 1)]
+        if self.fits(len(prompt), 1):
+            self.apply(Submit(self.new_id(), prompt, 1))
+        self._verify(rid, budget=1 + count + extra)
+
+    @configured_rule(precondition=lambda self: self.enabled("spec") and self.session is not None
+                     and any(v.accepted for v in self.verified),
+                     which=lambda c: st.integers(0, 7), off=lambda c: st.integers(0, 2),
+                     suffix=lambda c: strategies.tokens(c.vocab, 1), max_new=lambda c: st.integers(1, 4))
+    def reuse_verified(self, which, off, suffix, max_new):
+        """A prompt that shares a sequence past drafts that were accepted, up
+        to the first block boundary after them where that sequence computed
+        one: a prefix hit on what verification steps wrote."""
+        if self.busy():  # the sequences computed whole (and cached where the policy says)
+            self.apply(Drain(1024))
+        # a cache whose hits give tokens back to its drafter (EAGLE's block drop,
+        # declared) reuses that much less: the prompt reaches that much further
+        declared = self.session.speculator.declared
+        drop = declared.hit_drop if declared is not None else 0
+        tracks = self.session.tracks
+
+        def boundary(v) -> int:
+            return (v.end // self.B + 1 + -(-drop // self.B)) * self.B
+
+        candidates = [v for v in self.verified if v.accepted]
+        reaching = [v for v in candidates if boundary(v) <= (tracks[v.request_id].computed or 0)]
+        v = (reaching or candidates)[which % len(reaching or candidates)]
+        track = tracks[v.request_id]
+        cut = boundary(v) if v in reaching else v.end + v.accepted
+        prompt = track.tokens[: min(cut + off, len(track.tokens))] + suffix
+        if self.fits(len(prompt), max_new):
+            self.apply(Submit(self.new_id(), prompt, max_new))
+            self.apply(Step(1024))

@@ -11,7 +11,7 @@ Three measurements per transport:
   and for one large contiguous range (bandwidth);
 - ``harness``: whole transfers through the harness transport (chunks,
   digests, provenance ledger, notifications), as the suite runs them;
-- ``scenario``: ``ops.GENERAL`` through a DisaggSession (model and oracle
+- ``scenario``: ``ops.GENERAL`` through a judged DisaggSession (model and oracle
   included): the family's per-example cost.
 
     python bench/disagg_transport.py [--repeat 200] [--big-mib 16]
@@ -30,9 +30,9 @@ from conformance.adapters.reference.disagg import DisaggRequest, ReferenceDisagg
 from conformance.contract import ImplConfig
 from conformance.disagg.contract import DECODE, PREFILL, Descriptor, DisaggLayouts, DisaggTransfer, WorkerLayout
 from conformance.harness.disagg import ops
-from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.workers import build_workers, make_transport
 from conformance.harness.oracle import Oracle
+from conformance.judge.disagg import judged_disagg_session
 from conformance.model import ModelConfig, TinyHybrid
 
 
@@ -84,10 +84,10 @@ def measure(kind: str, repeat: int, big_mib: int, model: TinyHybrid, oracle: Ora
     finally:
         w.close()
     t = time.perf_counter()
-    s = DisaggSession(ReferenceDisagg(ImplConfig(options=ops.PAIRINGS["2to1"])), model, oracle, kind)
+    s = judged_disagg_session(ReferenceDisagg, ImplConfig(options=ops.PAIRINGS["2to1"]), model, oracle, kind)
     try:
         for op in ops.GENERAL:
-            ops.apply(s, op)
+            s.apply(op)
     finally:
         s.close()
     out["scenario s"] = time.perf_counter() - t

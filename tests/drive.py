@@ -18,18 +18,19 @@ def apply_all(session: Session, ops) -> None:
     assert not session.active(), f"requests still active: {session.active()}"
 
 
-def run_disagg(factory, model, oracle, scenario, pairing="2to1", transport="inprocess", faults=()):
+def run_disagg(factory, model, oracle, scenario, pairing="2to1", transport="inprocess", faults=(), timeout=30.0):
     """A disaggregated session over ``factory`` (a ``DisaggImpl`` class or
-    factory) at ``pairing``, with ``scenario``'s disagg operations applied;
-    the workers are closed whatever happens."""
+    factory) at ``pairing``, judged by the disagg checkers, with ``scenario``'s
+    disagg operations applied; the workers are closed whatever happens."""
     from conformance.contract import ImplConfig
     from conformance.harness.disagg import ops
-    from conformance.harness.disagg.session import DisaggSession
+    from conformance.judge.disagg import judged_disagg_session
 
-    s = DisaggSession(factory(ImplConfig(options=ops.PAIRINGS[pairing])), model, oracle, transport, tuple(faults))
+    s = judged_disagg_session(factory, ImplConfig(options=ops.PAIRINGS[pairing]), model, oracle, transport,
+                              tuple(faults), timeout=timeout)
     try:
         for op in scenario:
-            ops.apply(s, op)
+            s.apply(op)
     finally:
         s.close()
     return s

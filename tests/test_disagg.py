@@ -22,9 +22,9 @@ from conformance.harness.disagg import ops
 from conformance.harness.disagg.faults import FAULT_KINDS, FaultSpec
 from conformance.harness.disagg.nixl_transport import nixl_available
 from conformance.harness.disagg.provenance import POISON, Labels
-from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.worker_memory import WorkerMemory
 from conformance.harness.disagg.workers import build_workers, make_transport
+from conformance.judge.disagg import judged_disagg_session
 
 NO_NIXL = nixl_available()
 if NO_NIXL and os.environ.get("CI") == "true":  # in CI a skipped NIXL test would hide a missing real part
@@ -121,8 +121,8 @@ def test_reference_passes_general_scenario(model, oracle, pairing):
 @pytest.mark.parametrize("pairing", sorted(ops.PAIRINGS))
 @pytest.mark.parametrize("fault", FAULT_KINDS)
 def test_reference_survives_every_transfer_fault(model, oracle, fault, pairing):
-    scenario = (ops.Submit("a", 18), ops.Submit("b", 33, shared=33), ops.Drain(), ops.Submit("c", 40, shared=40),
-                ops.Drain())
+    scenario = (ops.DisaggSubmit("a", 18), ops.DisaggSubmit("b", 33, shared=33), ops.DisaggDrain(),
+                ops.DisaggSubmit("c", 40, shared=40), ops.DisaggDrain())
     s = _run(model, oracle, scenario, pairing, faults=(FaultSpec(fault, 0),))
     assert [e.fault for e in s.events] == [fault], s.events
     assert all(e.transport == "in-process copy" for e in s.events)
@@ -137,8 +137,8 @@ def test_abort_while_the_transfer_is_in_flight_frees_everything(model, oracle):
     """The aborted request's decode pages stay held until its transfer ended
     (bytes may still land), then return; a lost notification ends by deadline."""
     for fault in ((), (FaultSpec("lose-notification", 0),)):
-        s = _run(model, oracle, (ops.Submit("a", 40), ops.Step(2), ops.Abort("a"), ops.Submit("b", 20),
-                                 ops.Drain()), "1to2", faults=fault)
+        s = _run(model, oracle, (ops.DisaggSubmit("a", 40), ops.DisaggStep(2), ops.DisaggAbort("a"),
+                                 ops.DisaggSubmit("b", 20), ops.DisaggDrain()), "1to2", faults=fault)
         assert s.coverage["decode_steps"] > 0
 
 
@@ -146,20 +146,20 @@ def test_abort_while_the_transfer_is_in_flight_frees_everything(model, oracle):
 def test_every_fault_fires_under_nixl_and_the_reference_survives(model, oracle):
     """One NIXL session, one fault per transfer (the dtype mismatch needs its own handshake)."""
     kinds = [k for k in FAULT_KINDS if k != "dtype-mismatch"]
-    scenario = tuple(ops.Submit(f"r{i}", 17 + 5 * i) for i in range(len(kinds))) + (ops.Drain(),)
+    scenario = tuple(ops.DisaggSubmit(f"r{i}", 17 + 5 * i) for i in range(len(kinds))) + (ops.DisaggDrain(),)
     s = _run(model, oracle, scenario, transport="nixl", faults=[FaultSpec(k, i) for i, k in enumerate(kinds)])
     assert sorted(e.fault for e in s.events) == sorted(kinds)
     assert all(e.transport.startswith("nixl") for e in s.events)
     kill = next(e for e in s.events if e.fault == "kill-peer")
-    assert "SIGKILL" in kill.where
-    s2 = _run(model, oracle, (ops.Submit("d", 20), ops.Drain()), transport="nixl",
+    assert "SIGKILL" in kill.what
+    s2 = _run(model, oracle, (ops.DisaggSubmit("d", 20), ops.DisaggDrain()), transport="nixl",
               faults=[FaultSpec("dtype-mismatch")])
     assert [e.fault for e in s2.events] == ["dtype-mismatch"] and s2.coverage["recomputes"] == 1
 
 
 def test_killed_peer_reports_disconnect_and_next_transfer_works(model, oracle):
-    s = _run(model, oracle, (ops.Submit("a", 20), ops.ArmFault("kill-peer"), ops.Submit("b", 20), ops.Drain(),
-                             ops.Submit("c", 30), ops.Drain()))
+    s = _run(model, oracle, (ops.DisaggSubmit("a", 20), ops.DisaggArmFault("kill-peer"), ops.DisaggSubmit("b", 20),
+                             ops.DisaggDrain(), ops.DisaggSubmit("c", 30), ops.DisaggDrain()))
     assert s.coverage["transfers_verified"] >= 1 and s.coverage["recomputes"] == 1
 
 
@@ -189,7 +189,7 @@ def test_stale_tail_names_the_request_whose_bytes_leaked(model, oracle):
     from fault_injection.catalog import get_mutant
 
     factory = get_mutant("tail-not-zeroed").wrap(ReferenceDisagg)
-    s = DisaggSession(factory(ImplConfig(options=ops.PAIRINGS["2to1"])), model, oracle, "inprocess")
+    s = judged_disagg_session(factory, ImplConfig(options=ops.PAIRINGS["2to1"]), model, oracle, "inprocess")
     try:
         from conformance.harness.disagg.provenance import Label
 
@@ -197,9 +197,9 @@ def test_stale_tail_names_the_request_whose_bytes_leaked(model, oracle):
         dec = s.workers.decode
         dec.buf.view(torch.float64).fill_(0.25)
         dec.prov[:] = dec.labels.id(Label("kv", "old-tenant", (9, 9, 9)))
-        ops.apply(s, ops.Submit("victim", 18))
+        s.apply(ops.DisaggSubmit("victim", 18))
         with pytest.raises(ConformanceFailure) as err:
-            ops.apply(s, ops.Drain())
+            s.apply(ops.DisaggDrain())
     finally:
         s.close()
     assert err.value.kind == "invariant" and "unzeroed tail" in str(err.value), err.value

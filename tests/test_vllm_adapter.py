@@ -488,6 +488,9 @@ def test_configuration_matrix_expands_each_check():
 
 # -- prefill/decode: two vLLM Schedulers with the NixlConnector's scheduler side -------------------
 def _pd_run(model, oracle, scenario, pairing="2to1", faults=(), factory=None):
+    # As the front doors do: vLLM inspects the model once, outside the calls' timeout
+    # (building the implementation is a guarded call, as every call is).
+    VllmCache.warm_up()
     return run_disagg(factory or VllmCache.disagg_factory, model, oracle, scenario, pairing, faults=faults)
 
 
@@ -513,8 +516,8 @@ def test_pd_survives_transfer_faults(model, oracle, fault):
     from conformance.harness.disagg import ops as dops
     from conformance.harness.disagg.faults import FaultSpec
 
-    scenario = (dops.Submit("a", 18), dops.Submit("b", 33, shared=33), dops.Drain(),
-                dops.Submit("c", 40, shared=40), dops.Drain())
+    scenario = (dops.DisaggSubmit("a", 18), dops.DisaggSubmit("b", 33, shared=33), dops.DisaggDrain(),
+                dops.DisaggSubmit("c", 40, shared=40), dops.DisaggDrain())
     s = _pd_run(model, oracle, scenario, faults=(FaultSpec(fault, 0),))
     assert [e.fault for e in s.events] == [fault]
     if fault == "dtype-mismatch":  # the handshake refuses: every load fails, vLLM recomputes each

@@ -13,10 +13,13 @@ takes a single-worker one::
 
 Rules only turn Hypothesis draws into the disaggregated operations
 (:mod:`conformance.harness.disagg.ops`) and hand them to a
-:class:`~conformance.harness.disagg.session.DisaggSession`, which judges every
-step (decode logits against the no-cache reference, every byte a decode step
-reads audited, nothing held once every request finished).  A failing example
-is therefore its operation list: data that ``replay`` runs without Hypothesis.
+:class:`~conformance.harness.disagg.session.DisaggSession` (every call into
+the implementation guarded with ``timeout``), whose checkers
+(:func:`conformance.judge.disagg.disagg_checkers`) judge every step: logits
+against the no-cache reference, every byte a decode step reads audited,
+nothing held once every request finished.  A failing example is therefore
+its operation list: data that ``replay`` runs without Hypothesis; its
+explanation is the tail of the session's history.
 
 What the rules draw:
 
@@ -53,7 +56,6 @@ its own.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
 from hypothesis import note
 from hypothesis import strategies as st
@@ -62,12 +64,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from conformance.contract import ImplConfig
 from conformance.disagg.contract import DECODE, PREFILL
 from conformance.errors import ConformanceFailure, ImplementationError
-from conformance.generate.machine import Recorder
+from conformance.generate.recorder import Recorder
 from conformance.harness.disagg import ops as dops
-from conformance.harness.disagg.session import COUNTERS, DisaggSession
+from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.workers import WorkerPool
 from conformance.harness.ops import op_to_dict
 from conformance.harness.oracle import Oracle
+from conformance.judge.disagg import COUNTERS, judged_disagg_session
 from conformance.model import ModelConfig, TinyHybrid
 
 PAIRING_NAMES = tuple(sorted(dops.PAIRINGS))
@@ -103,14 +106,15 @@ def recorder_for_disagg(**kwargs) -> Recorder:
 
 class DisaggMachine(RuleBasedStateMachine):
     """``DisaggMachine(disagg_factory, model=..., oracle=..., pairing=...,
-    impl_options=..., transport=..., workers=..., faults=..., recorder=...)``."""
+    impl_options=..., transport=..., workers=..., faults=..., recorder=...,
+    timeout=...)``."""
 
     session: DisaggSession
 
     def __init__(self, disagg_factory, *, model: TinyHybrid | None = None, oracle: Oracle | None = None,
                  pairing: str | None = None, impl_options: dict | None = None, transport: str = "auto",
                  workers: WorkerPool | None = None, faults: tuple[str, ...] = dops.ARMABLE,
-                 recorder: Recorder | None = None, max_active: int = MAX_ACTIVE):
+                 recorder: Recorder | None = None, max_active: int = MAX_ACTIVE, timeout: float | None = 30.0):
         super().__init__()
         if pairing is not None and pairing not in dops.PAIRINGS:
             raise ValueError(f"pairing must be one of {', '.join(PAIRING_NAMES)}, got {pairing!r}")
@@ -128,8 +132,9 @@ class DisaggMachine(RuleBasedStateMachine):
         self.faults = tuple(faults)
         self.recorder = recorder or recorder_for_disagg()
         self.max_active = max_active
+        self.timeout = timeout
         self.session = None  # type: ignore[assignment]
-        self.ops: list[dops.Op] = []
+        self.ops: list[dops.DisaggOp] = []
         self.next_id = 0
         self.failed = False
         self.overlaps = 0
@@ -150,43 +155,37 @@ class DisaggMachine(RuleBasedStateMachine):
         examples that never get past their first choice, and an implementation
         (two vLLM schedulers) and a reset of the workers are not free."""
         if self.session is None:
-            impl = self.factory(self.impl_config)
-            if self.pool is not None:
-                workers, self.transport_why = self.pool.get(impl.disagg_layouts())
-                self.session = DisaggSession(impl, self.model, self.oracle, self.transport, reuse=workers)
-            else:
-                self.session = DisaggSession(impl, self.model, self.oracle, self.transport)
-                self.transport_why = self.session.transport_why
-            self.transport_name = self.session.transport_name
+            self.session = judged_disagg_session(self.factory, self.impl_config, self.model, self.oracle,
+                                                 self.transport, pool=self.pool, timeout=self.timeout)
+            self.transport_name, self.transport_why = self.session.transport_name, self.session.transport_why
             note(f"pairing {self.pairing}: {self.impl_config.options} over {self.transport_name}")
             layouts = self.session.layouts
             self.block: dict[str, int] = {PREFILL: layouts.prefill.block_size, DECODE: layouts.decode.block_size}
         return self.session
 
-    def apply(self, op: dops.Op) -> None:
+    def apply(self, op: dops.DisaggOp) -> None:
         note(repr(op))
         self.ops.append(op)
         self.recorder.steps += 1
-        self.session.applied = len(self.ops) - 1
         try:
-            dops.apply(self.session, op)
+            self.session.apply(op)
         except (ConformanceFailure, ImplementationError) as exc:
             self.failed = True
             rec = self.recorder
-            events = [{"event": "fault", **asdict(e)} for e in self.session.events]
-            rec.failure = (exc, [op_to_dict(o) for o in self.ops], events)
+            rec.failure = (exc, [op_to_dict(o) for o in self.ops], self.session.history.tail(64))
             if rec.first_failure is None:
                 rec.first_failure = (rec.examples, round(time.perf_counter() - rec.started, 3))
             raise
 
     def teardown(self):
         try:
-            if self.session is not None and not self.failed and (self.active() or self.session.in_flight()):
-                self.apply(dops.Drain())  # every request finishes: the leak check runs
+            if self.session is not None and not self.failed and (self.active() or self.session.in_flight_requests()):
+                self.apply(dops.DisaggDrain())  # every request finishes: the checkers see it at rest
         finally:
             if self.session is not None:
                 for k, v in self.session.coverage.items():
                     self.recorder.coverage[k] = self.recorder.coverage.get(k, 0) + v
+                self.recorder.notes |= self.session.notes
                 self.session.close()
             if self.recorder.on_example:
                 self.recorder.on_example(self.recorder)
@@ -223,7 +222,7 @@ class DisaggMachine(RuleBasedStateMachine):
         either worker, maybe sharing a prefix with earlier prompts."""
         self.open()
         n = self.prefix_len(anchor, blocks, end) + 1
-        self.apply(dops.Submit(self.new_id(), n, self.shared_len(share, n), max_new))
+        self.apply(dops.DisaggSubmit(self.new_id(), n, self.shared_len(share, n), max_new))
 
     @precondition(lambda self: not self.active() and self.overlaps < MAX_OVERLAPS and self.max_active >= 2)
     @rule(blocks=st.integers(1, 2), end=st.sampled_from(ENDS), share=st.sampled_from(SHARES),
@@ -238,31 +237,31 @@ class DisaggMachine(RuleBasedStateMachine):
         self.open()
         self.overlaps += 1
         a = self.prefix_len(PREFILL, blocks, end) + 1
-        self.apply(dops.Submit(self.new_id(), a, self.shared_len(share, a), 3))
-        self.apply(dops.Step(lag))
+        self.apply(dops.DisaggSubmit(self.new_id(), a, self.shared_len(share, a), 3))
+        self.apply(dops.DisaggStep(lag))
         b = self.prefix_len(DECODE, blocks, end) + 1
-        self.apply(dops.Submit(self.new_id(), b, self.shared_len(share, b), 2))
-        self.apply(dops.Step(2))
+        self.apply(dops.DisaggSubmit(self.new_id(), b, self.shared_len(share, b), 2))
+        self.apply(dops.DisaggStep(2))
 
     @precondition(lambda self: self.busy())
     @rule(count=st.integers(1, 2))
     def step(self, count):
         """Engine steps one at a time: a transfer's chunks post one per step, so
         it stays in flight while other requests prefill and decode."""
-        self.apply(dops.Step(count))
+        self.apply(dops.DisaggStep(count))
 
     @precondition(lambda self: self.busy())
     @rule()
     def drain(self):
-        self.apply(dops.Drain())
+        self.apply(dops.DisaggDrain())
 
     @precondition(lambda self: self.busy())
     @rule(which=st.integers(0, 7), mid_transfer=st.booleans())
     def abort(self, which, mid_transfer):
         """The client goes away; ``mid_transfer``: one whose bytes are still landing
         on the decode side, when there is one."""
-        pick = (mid_transfer and self.session.in_flight()) or self.session.active()
-        self.apply(dops.Abort(pick[which % len(pick)]))
+        pick = (mid_transfer and self.session.in_flight_requests()) or self.session.active()
+        self.apply(dops.DisaggAbort(pick[which % len(pick)]))
 
     @precondition(lambda self: self.busy() and bool(self.faults))
     @rule(which=st.integers(0, len(dops.ARMABLE) - 1))
@@ -271,7 +270,7 @@ class DisaggMachine(RuleBasedStateMachine):
         self.next_fault = self.faults[which % len(self.faults)]
 
     @precondition(lambda self: self.busy() and bool(self.faults) and self.arms < MAX_ARMS
-                  and (self.armed_at is None or self.session.workers.transport._submitted > self.armed_at))
+                  and (self.armed_at is None or self.session.transfers_submitted > self.armed_at))
     @rule()
     def arm_fault(self):
         """The environment fails the next transfer (one armed fault at a time).
@@ -279,8 +278,8 @@ class DisaggMachine(RuleBasedStateMachine):
         example arms one (the first of ``faults``): a bug that only shows when a
         transfer fails is within reach of every seed's first example."""
         self.arms += 1
-        self.armed_at = self.session.workers.transport._submitted
-        self.apply(dops.ArmFault(self.next_fault or self.faults[0]))
+        self.armed_at = self.session.transfers_submitted
+        self.apply(dops.DisaggArmFault(self.next_fault or self.faults[0]))
 
     @invariant()
     def harness_bookkeeping_is_sane(self):

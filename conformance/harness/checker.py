@@ -37,13 +37,17 @@ Phases, in the order a session meets them, each with its event:
 Those moments carry what the record (:mod:`conformance.harness.history`) does
 not keep (views, logits); the record's own events are in ``obs.history``.
 
+The disaggregated session meets the same protocol (this ``CheckerSet``,
+:class:`BaseChecker`) with moments and phases of its own
+(:mod:`conformance.harness.disagg.checker`).
+
 This module imports nothing of the judges (they import it) nor of the
 session (which imports it): the harness stays below the checkers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -126,11 +130,11 @@ PHASE_OF: dict[type, str] = {Submitted: "submitted", Scheduled: "scheduled", Exe
                              ProbeStep: "probed", ProbeStall: "probed"}
 
 
-class Checker:
-    """Base class: every phase is a no-op; a checker overrides the ones it judges.
-
-    What it counts goes to ``self.coverage`` (:meth:`count`), what it could
-    not check to ``self.notes``: its own, read by the session."""
+class BaseChecker:
+    """What every checker is, of either family: a name, its own coverage and
+    notes, and ``attached``.  A checker of one worker's session is a
+    :class:`Checker`; one of a disaggregated session a
+    :class:`~conformance.harness.disagg.checker.DisaggChecker`."""
 
     name = "checker"
 
@@ -140,6 +144,16 @@ class Checker:
 
     def count(self, key: str, n: int = 1) -> None:
         self.coverage[key] = self.coverage.get(key, 0) + n
+
+    def attached(self, obs: Any) -> None: ...
+
+
+class Checker(BaseChecker):
+    """Base class of a single-worker session's checkers: every phase is a
+    no-op; a checker overrides the ones it judges.
+
+    What it counts goes to ``self.coverage`` (:meth:`count`), what it could
+    not check to ``self.notes``: its own, read by the session."""
 
     def attached(self, obs: Observation) -> None: ...
 
@@ -160,19 +174,22 @@ class Checker:
 
 @dataclass
 class CheckerSet:
-    """Checkers composed in order; the first failure stops the step."""
+    """Checkers composed in order; the first failure stops the step.
+    ``phases``: the phase that shows each kind of moment (:data:`PHASE_OF`;
+    a disaggregated session's are its own)."""
 
-    checkers: list[Checker] = field(default_factory=list)
+    checkers: list[Any] = field(default_factory=list)  # BaseChecker subclasses of one family
     obs: Any = None  # the observation they are shown (set by attach)
+    phases: Mapping[type, str] = field(default_factory=lambda: PHASE_OF)
 
-    def attach(self, obs: Observation, checkers: list[Checker] | None = None) -> None:
+    def attach(self, obs: Any, checkers: list[Any] | None = None) -> None:
         """Show the session to ``checkers`` (all of them by default; a checker
         added later is attached alone)."""
         self.obs = obs
         for checker in self.checkers if checkers is None else checkers:
             self._call(checker, "attached", checker.attached, obs)
 
-    def add(self, checker: Checker) -> None:
+    def add(self, checker: BaseChecker) -> None:
         self.checkers.append(checker)
         if self.obs is not None:
             self.attach(self.obs, [checker])
@@ -181,12 +198,12 @@ class CheckerSet:
         return [c.name for c in self.checkers]
 
     def notify(self, event: object) -> None:
-        phase = PHASE_OF[type(event)]
+        phase = self.phases[type(event)]
         for checker in self.checkers:
             self._call(checker, phase, getattr(checker, phase), self.obs, event)
 
     @staticmethod
-    def _call(checker: Checker, phase: str, method: Callable, *args: object) -> None:
+    def _call(checker: BaseChecker, phase: str, method: Callable, *args: object) -> None:
         try:
             method(*args)
         except (ConformanceFailure, ImplementationError):

@@ -6,6 +6,11 @@ plan (:class:`Planned`), the no-cache oracle's verdict on a computed step
 fault firing (:class:`FaultFired`), requests finished (:class:`Finished`),
 drafts proposed and verified (:class:`DraftsProposed`, :class:`Verified`:
 speculative decoding).
+A disaggregated session (two workers) records the same events, and three of
+its own: its plan over both workers (:class:`DisaggPlanned`), a transfer
+between them submitted (:class:`TransferSubmitted`), and a transfer's
+notice delivered to the implementation (:class:`NoticeReceived`); its
+verdicts name the worker (``Judged.worker``) and its faults the transport.
 Checkers read the record typed (``history.events``, :meth:`History.since`,
 :meth:`History.issued`); repro files, reports and failure explanations read
 its JSON form (:meth:`Event.to_dict`, :meth:`History.tail`,
@@ -24,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from conformance.contract import RequestStep, StepPlan, Transfer, TransferDone
-from conformance.harness.ops import Op, op_to_dict
+from conformance.disagg.contract import DisaggPlan, DisaggTransfer, TransferNotice
+from conformance.harness.ops import DisaggOp, Op, op_to_dict
 
 if TYPE_CHECKING:
     from conformance.harness.oracle import Verdict
@@ -36,7 +42,7 @@ class OpApplied:
 
     kind: ClassVar[str] = "op"
     index: int
-    op: Op
+    op: Op | DisaggOp
 
     def to_dict(self) -> dict:
         return {"event": self.kind, "index": self.index, **op_to_dict(self.op)}
@@ -84,10 +90,12 @@ class Judged:
     max_rel_error: float
     reads: str  # provenance of what the step read
     first_bad_position: int | None = None
+    worker: str = ""  # the worker that computed it (a disaggregated session's); "" for one worker
 
     def to_dict(self) -> dict:
         return {"event": self.kind, "request_id": self.request_id, "start": self.start, "end": self.end,
-                "ok": self.ok, "max_rel_error": self.max_rel_error, "reads": self.reads}
+                "ok": self.ok, "max_rel_error": self.max_rel_error, "reads": self.reads,
+                **({"worker": self.worker} if self.worker else {})}
 
 
 @dataclass(frozen=True)
@@ -116,16 +124,20 @@ class TransferCompleted:
 @dataclass(frozen=True)
 class FaultFired:
     """A fault (or the generator's transfer control, ``fault == "control"``)
-    acted on ``transfer``; ``what`` says how."""
+    acted on ``transfer``; ``what`` says how.  In a disaggregated session the
+    transfer is one between the workers and ``transport`` names the transport
+    that ran (a fault of the metadata exchange names no transfer)."""
 
     kind: ClassVar[str] = "fault"
     fault: str
     what: str
-    transfer: Transfer | None = None
+    transfer: Transfer | DisaggTransfer | None = None
+    transport: str = ""
 
     def to_dict(self) -> dict:
         return {"event": self.kind, "fault": self.fault, "what": self.what,
-                **({"transfer": transfer_to_dict(self.transfer)} if self.transfer is not None else {})}
+                **({"transfer": transfer_to_dict(self.transfer)} if self.transfer is not None else {}),
+                **({"transport": self.transport} if self.transport else {})}
 
 
 @dataclass(frozen=True)
@@ -177,31 +189,90 @@ class Verified:
                 "accepted": self.accepted}
 
 
-Event = OpApplied | Planned | Judged | TransferCompleted | FaultFired | Finished | DraftsProposed | Verified
+# -- the disaggregated session's own ----------------------------------------------------
+@dataclass(frozen=True)
+class DisaggPlanned:
+    """``schedule()`` returned ``plan``, over both workers.  Its JSON form is
+    a plan's (``"plan"``: the single-worker readers show its requests), each
+    request naming its worker, with the transfers submitted and the regions
+    zeroed."""
+
+    kind: ClassVar[str] = "plan"
+    plan: DisaggPlan
+    data: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        p = self.plan
+        object.__setattr__(self, "data", {"event": self.kind, "requests": [
+            {"request_id": r.request_id, "worker": r.worker, "start": r.start, "end": r.end,
+             "block_table": list(r.block_table), "state_slot": r.state_slot, "state_init": r.state_init.kind,
+             "state_source": r.state_init.source, "snapshots": [list(s) for s in r.snapshots]}
+            for r in p.requests],
+            **({"transfers": [transfer_to_dict(t) for t in p.transfers]} if p.transfers else {}),
+            **({"zero": [[z.worker, z.offset, z.length] for z in p.zero]} if p.zero else {})})
+
+    def to_dict(self) -> dict:
+        return self.data
+
+
+@dataclass(frozen=True)
+class TransferSubmitted:
+    """A transfer between the workers was handed to the transport (its
+    contract checked: a known request, disjoint destination ranges)."""
+
+    kind: ClassVar[str] = "transfer-submitted"
+    transfer: DisaggTransfer
+
+    def to_dict(self) -> dict:
+        return {"event": self.kind, **transfer_to_dict(self.transfer)}
+
+
+@dataclass(frozen=True)
+class NoticeReceived:
+    """A transfer's notice, delivered to the implementation in this step's result."""
+
+    kind: ClassVar[str] = "notice"
+    notice: TransferNotice
+
+    @property
+    def verified(self) -> bool:
+        """The transport completed every chunk and every chunk's digests agree."""
+        n = self.notice
+        return n.ok and all(c.ok and c.src_digest == c.dst_digest for c in n.chunks)
+
+    def to_dict(self) -> dict:
+        n = self.notice
+        return {"event": self.kind, "id": n.id, "ok": n.ok, "chunks": len(n.chunks),
+                "digests_agree": all(c.src_digest == c.dst_digest for c in n.chunks if c.ok),
+                **({"error": n.error} if n.error else {})}
+
+
+Event = (OpApplied | Planned | Judged | TransferCompleted | FaultFired | Finished | DraftsProposed | Verified
+         | DisaggPlanned | TransferSubmitted | NoticeReceived)
 
 
 @dataclass
 class History:
-    ops: list[Op] = field(default_factory=list)
+    ops: list[Op | DisaggOp] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
 
     # -- recording (the session and the transport) ---------------------------------------
-    def begin(self, op: Op) -> None:
+    def begin(self, op: Op | DisaggOp) -> None:
         self.ops.append(op)
         self.events.append(OpApplied(len(self.ops) - 1, op))
 
     def plan(self, plan: StepPlan) -> None:
         self.events.append(Planned(plan))
 
-    def judged(self, rs: RequestStep, verdict: Verdict, reads: str) -> None:
+    def judged(self, rs: RequestStep, verdict: Verdict, reads: str, worker: str = "") -> None:
         self.events.append(Judged(rs.request_id, rs.start, rs.end, verdict.ok, verdict.max_rel_error, reads,
-                                  verdict.first_bad_position))
+                                  verdict.first_bad_position, worker))
 
     def completed(self, done: TransferDone, intact: bool | None = None) -> None:
         self.events.append(TransferCompleted(done, intact))
 
-    def fault(self, name: str, transfer: Transfer | None, what: str) -> None:
-        self.events.append(FaultFired(name, what, transfer))
+    def fault(self, name: str, transfer: Transfer | DisaggTransfer | None, what: str, transport: str = "") -> None:
+        self.events.append(FaultFired(name, what, transfer, transport))
 
     def drafts(self, request_id: str, tokens: tuple[int, ...]) -> None:
         self.events.append(DraftsProposed(request_id, tuple(tokens)))
@@ -212,6 +283,11 @@ class History:
     def finished(self, request_ids: list[str]) -> None:
         if request_ids:
             self.events.append(Finished(tuple(request_ids)))
+
+    def record(self, event: Event) -> None:
+        """An event made elsewhere: a disaggregated session's own (it shows the
+        same objects to its checkers), its transport's fault firings."""
+        self.events.append(event)
 
     # -- reading (typed) ---------------------------------------------------------------
     def since(self, index: int) -> Sequence[Event]:
@@ -247,6 +323,8 @@ class History:
         return [ev.to_dict() for ev in self.events]
 
 
-def transfer_to_dict(t: Transfer) -> dict:
+def transfer_to_dict(t: Transfer | DisaggTransfer) -> dict:
+    if isinstance(t, DisaggTransfer):
+        return {"id": t.id, "request_id": t.request_id, "op": t.op, "chunks": len(t.chunks), "bytes": t.nbytes}
     return {"id": t.id, "direction": t.direction, "kind": t.kind, "key": t.key, "device": t.device,
             "request_id": t.request_id}

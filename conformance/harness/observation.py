@@ -11,9 +11,11 @@ session collects them.  Memory and tracks are the session's live objects,
 handed out to be read (copying memory every step would cost more than the
 step).
 
-One worker's session meets this protocol (``Session.observation``); a
-session of two workers would hand its checkers one per worker, beside what
-the pair shares (the transfers between them).
+One worker's session meets this protocol (``Session.observation``); the
+disaggregated session hands its checkers its own
+(:class:`~conformance.harness.disagg.observation.DisaggObservation`: one
+memory and layout per worker, beside what the pair shares, the transfers in
+flight between them).
 """
 
 from __future__ import annotations

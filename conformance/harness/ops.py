@@ -31,9 +31,16 @@ class Step:
 
 @dataclass(frozen=True)
 class Drain:
-    """Steps with ``budget`` until no request is active."""
+    """Steps with ``budget`` until no request is active (a stall after
+    :data:`MAX_DRAIN_STEPS`)."""
 
     budget: int
+
+
+#: The most engine steps a drain takes before the requests still active are a
+#: stall: one limit for both families (``Drain`` here, ``DisaggDrain`` of the
+#: disaggregated one).
+MAX_DRAIN_STEPS = 400
 
 
 @dataclass(frozen=True)
@@ -124,8 +131,9 @@ OP_TYPES: dict[str, type] = {"submit": Submit, "step": Step, "drain": Drain, "ab
                              "hold-transfers": HoldTransfers, "deliver": Deliver, "store-evict": StoreEvict,
                              "draft": Draft}
 # The disaggregated family's operations (applied to a DisaggSession, not a Session).
+from conformance.harness.disagg.ops import ARMABLE as _ARMABLE  # noqa: E402
 from conformance.harness.disagg.ops import OP_TYPES as _DISAGG_OPS  # noqa: E402
-from conformance.harness.disagg.ops import Op as DisaggOp  # noqa: E402
+from conformance.harness.disagg.ops import DisaggOp  # noqa: E402
 
 OP_TYPES.update(_DISAGG_OPS)
 _NAMES = {cls: name for name, cls in OP_TYPES.items()}
@@ -173,7 +181,26 @@ def op_from_dict(d: dict) -> Op:
     for key in ("request_id",):
         if key in kwargs and not isinstance(kwargs[key], str):
             raise ValueError(f"{name}.{key}: must be a string")
+    _check_disagg_fields(name, kwargs)
     try:
         return cls(**kwargs)
     except TypeError as exc:
         raise ValueError(f"{name}: {exc}") from None
+
+
+def _check_disagg_fields(name: str, kwargs: dict) -> None:
+    """The disaggregated operations' fields (``disagg-submit``, ``disagg-step``,
+    ``disagg-fault``), refused here as the single-worker ones are above."""
+    if name not in _DISAGG_OPS:
+        return
+
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for key in ("prompt_len", "max_new", "count"):
+        if key in kwargs and (not is_int(kwargs[key]) or kwargs[key] < 1):
+            raise ValueError(f"{name}.{key}: must be a positive integer")
+    if "shared" in kwargs and (not is_int(kwargs["shared"]) or kwargs["shared"] < 0):
+        raise ValueError(f"{name}.shared: must be an integer >= 0")
+    if "kind" in kwargs and kwargs["kind"] not in _ARMABLE:
+        raise ValueError(f"{name}.kind: must be one of {', '.join(_ARMABLE)} (faults armed mid-run)")

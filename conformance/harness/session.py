@@ -42,7 +42,19 @@ from conformance.harness.guard import guarded
 from conformance.harness.history import History
 from conformance.harness.memory import Memory, Prefix
 from conformance.harness.observation import Record, Track
-from conformance.harness.ops import Abort, Deliver, Draft, Drain, HoldTransfers, Op, Probe, Step, StoreEvict, Submit
+from conformance.harness.ops import (
+    MAX_DRAIN_STEPS,
+    Abort,
+    Deliver,
+    Draft,
+    Drain,
+    HoldTransfers,
+    Op,
+    Probe,
+    Step,
+    StoreEvict,
+    Submit,
+)
 from conformance.harness.oracle import Oracle
 from conformance.harness.pool_probe import PoolProbe
 from conformance.harness.runner import Runner
@@ -51,8 +63,6 @@ from conformance.harness.step import Stepping
 from conformance.harness.transfer_control import TransferControl
 from conformance.harness.transport import HostStore
 from conformance.model import TinyHybrid
-
-MAX_DRAIN_STEPS = 400
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from conformance.contract import ImplConfig
 from conformance.errors import ReproFormatError
+from conformance.harness.disagg.ops import DisaggSubmit, is_disagg
 from conformance.harness.ops import Op, Probe, Submit, op_from_dict
 from conformance.model import ModelConfig
 
@@ -150,6 +151,13 @@ def _parse_steps(raw, vocab: int) -> list[Op]:
             op = op_from_dict(d)
         except ValueError as exc:
             raise ReproFormatError(_at_step(i, d, str(exc))) from None
+        if ops and is_disagg(op) != is_disagg(ops[0]):
+            raise ReproFormatError(f"steps[{i}].op: disaggregated operations (disagg-*) cannot mix with "
+                                   f"single-worker ones")
+        if isinstance(op, DisaggSubmit):
+            if op.request_id in seen:
+                raise ReproFormatError(f"steps[{i}].request_id: {op.request_id!r} is submitted twice")
+            seen.add(op.request_id)
         if isinstance(op, Submit):
             if op.request_id in seen:
                 raise ReproFormatError(f"steps[{i}].request_id: {op.request_id!r} is submitted twice")

@@ -8,8 +8,10 @@ draws): prompts whose transferred prefix ends on, beside or inside a block of
 either worker, shared prefixes (prefill-side hits), decode continuing, single
 steps with transfers in flight while other requests decode on reused pages,
 aborts mid-transfer, and environment faults on the next transfer.  Every
-example is judged by :class:`~conformance.harness.disagg.session.DisaggSession`
-and recorded as operations (:mod:`conformance.harness.disagg.ops`).  A
+example runs in a :class:`~conformance.harness.disagg.session.DisaggSession`
+(every implementation call guarded with the run's ``--timeout``), is judged
+by the checkers of :mod:`conformance.judge.disagg` and recorded as operations
+(:mod:`conformance.harness.disagg.ops`) in the session's history.  A
 failure is shrunk by Hypothesis (``shrink="hypothesis"``), then minimized by
 replaying subsets of its operations (with ``shrink="ops"``, the mutants'
 self-check, only the latter).
@@ -29,13 +31,15 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import get_state_machine_test
 
 from conformance.contract import ImplConfig
-from conformance.errors import ConformanceFailure, UsageError
+from conformance.errors import ConformanceFailure, ImplementationError, ReproFormatError, UsageError
 from conformance.generate.disagg_machine import DisaggMachine, recorder_for_disagg
 from conformance.generate.machine import hypothesis_settings
 from conformance.harness.disagg import ops as dops
 from conformance.harness.disagg.session import DisaggSession
 from conformance.harness.disagg.workers import WorkerPool
 from conformance.harness.ops import op_from_dict, op_to_dict
+from conformance.harness.oracle import Oracle
+from conformance.judge.disagg import judged_disagg_session
 from conformance.results.records import CheckResult, Failure
 from conformance.suite.verdict import coverage_failure, run_machine
 
@@ -61,24 +65,15 @@ def pairing_config(pairing: str, impl_options: dict) -> ImplConfig:
     return ImplConfig(options={**dops.PAIRINGS[pairing], **impl_options})
 
 
-def apply_all(session: DisaggSession, ops: list) -> int:
-    """Apply ``ops``; returns how many ran before a failure (raises it)."""
-    for i, op in enumerate(ops):
-        session.applied = i
-        dops.apply(session, op)
-    return len(ops)
-
-
 def replay_fails(dfactory, impl_config: ImplConfig, model, oracle, ops: list, kind: str = "auto",
-                 pool: WorkerPool | None = None):
+                 pool: WorkerPool | None = None, timeout: float | None = 30.0):
     """Apply ``ops`` to a fresh session (on ``pool``'s workers, reset, or fresh
     ones); (failure or None, session)."""
-    impl = dfactory(impl_config)
-    reuse = pool.get(impl.disagg_layouts())[0] if pool is not None else None
-    session = DisaggSession(impl, model, oracle, kind, reuse=reuse)
+    session = judged_disagg_session(dfactory, impl_config, model, oracle, kind, pool=pool, timeout=timeout)
     try:
-        apply_all(session, ops)
-    except ConformanceFailure as exc:
+        for op in ops:
+            session.apply(op)
+    except (ConformanceFailure, ImplementationError) as exc:
         return exc, session
     finally:
         session.close()
@@ -116,7 +111,8 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
 
             def machine(pairing=pairing):
                 return DisaggMachine(dfactory, model=model, oracle=oracle, pairing=pairing,
-                                     impl_options=opts.impl_options, transport=kind, workers=pool, recorder=recorder)
+                                     impl_options=opts.impl_options, transport=kind, workers=pool, recorder=recorder,
+                                     timeout=opts.timeout)
 
             test = get_state_machine_test(machine, settings=hypothesis_settings(
                 per_pairing, steps, shrink=opts.shrink == "hypothesis"))
@@ -129,7 +125,7 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
                     # "ops": instead of Hypothesis's shrinking; "hypothesis": after it, which
                     # leaves whole compound rules and idle steps behind (replays here are cheap:
                     # the pool's workers, no new peer process)
-                    _minimize(failure, dfactory, config, model, oracle, kind, pool)
+                    _minimize(failure, dfactory, config, model, oracle, kind, pool, opts.timeout)
             if failure is not None:
                 break
     finally:
@@ -144,52 +140,60 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
                        examples=recorder.examples, steps=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics={"transport": name, "transport_why": why,
-                                                  "workers_built": pool.built, "peer_starts": pool.peer_starts})
+                                                  "workers_built": pool.built, "peer_starts": pool.peer_starts},
+                       notes=sorted(recorder.notes))
 
 
-def _minimize(failure: Failure, dfactory, config, model, oracle, kind, pool) -> None:
+def _minimize(failure: Failure, dfactory, config, model, oracle, kind, pool, timeout: float | None) -> None:
     """Shorten ``failure.steps`` by replaying subsets (same failure kind) on the pool's workers."""
     from conformance.suite.minimize import minimize
 
     def still_fails(candidate) -> bool:
-        exc, _ = replay_fails(dfactory, config, model, oracle, candidate, kind, pool)
+        exc, _ = replay_fails(dfactory, config, model, oracle, candidate, kind, pool, timeout)
         return exc is not None and exc.kind == failure.kind
 
     ops = [op_from_dict(d) for d in failure.steps]
     if not still_fails(ops):
         return  # not reproducible by replay: keep it as it ran
     best = minimize(ops, still_fails, budget_s=60.0)
-    exc, session = replay_fails(dfactory, config, model, oracle, best, kind, pool)
+    exc, session = replay_fails(dfactory, config, model, oracle, best, kind, pool, timeout)
     failure.steps = [op_to_dict(o) for o in best]
     failure.message = str(exc)
-    failure.events = [{"event": "fault", **asdict(e)} for e in session.events]
+    failure.events = session.history.tail()
 
 
-def replay_disagg(repro, factory, model, outcome):
-    """Replay a disagg repro on fresh workers (transport as in a run: NIXL when it imports)."""
-    from conformance.errors import ReproFormatError
-    from conformance.harness.oracle import Oracle
-
+def replay_disagg(repro, factory, model, outcome, timeout: float | None = 30.0, keep_events: bool = False):
+    """Replay a disagg repro on fresh workers (transport as in a run: NIXL when it
+    imports).  ``keep_events``: the whole history in ``outcome.events`` (else its tail)."""
     dfactory = disagg_factory_of(factory)
     if dfactory is None:
         raise UsageError(f"{outcome.impl} has no disaggregated mode; this repro needs one")
     if not all(dops.is_disagg(op) for op in repro.steps):
         raise ReproFormatError("steps: disagg operations cannot mix with single-worker ones")
-    session = DisaggSession(dfactory(repro.impl_config), model, Oracle(model), transport_kind())
-    outcome.notes.append(f"transport: {session.transport_name} ({session.transport_why})")
-    session.applied = 0
+    session: DisaggSession | None = None
     try:
-        apply_all(session, list(repro.steps))
-        outcome.applied = len(repro.steps)
-    except ConformanceFailure as exc:
+        session = judged_disagg_session(dfactory, repro.impl_config, model, Oracle(model), transport_kind(),
+                                        timeout=timeout)
+        outcome.notes.append(f"transport: {session.transport_name} ({session.transport_why})")
+        for i, op in enumerate(repro.steps):
+            try:
+                session.apply(op)
+            except ValueError as exc:  # the session refused the operation: the file is wrong, not the cache
+                raise ReproFormatError(f"steps[{i}]: {exc}") from None
+            outcome.applied = i + 1
+    except (ConformanceFailure, ImplementationError) as exc:
         outcome.reproduced = True
         outcome.kind = exc.kind
         outcome.message = str(exc)
-        outcome.failed_at = session.applied
-        outcome.applied = session.applied
+        outcome.failed_at = outcome.applied if session is not None else None
     finally:
-        session.close()
-    outcome.coverage = dict(session.coverage)
-    outcome.notes += [f"fault {e.fault} fired on transfer {e.transfer_id} ({e.request_id}): {e.where}"
-                      for e in session.events]
+        if session is not None:
+            session.close()
+    if session is not None:
+        outcome.events = session.history.as_data() if keep_events else session.history.tail()
+        outcome.coverage = dict(session.coverage)
+        outcome.notes += [f"fault {e.fault} fired on transfer "
+                          f"{e.transfer.id if e.transfer is not None else None} "
+                          f"({e.transfer.request_id if e.transfer is not None else None}): {e.what}"
+                          for e in session.events]
     return outcome

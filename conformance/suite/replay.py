@@ -125,7 +125,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     if any(is_disagg(op) for op in repro.steps):  # the disagg family's operations: two workers
         from conformance.suite.disagg import replay_disagg
 
-        return replay_disagg(repro, factory, model, outcome)
+        return replay_disagg(repro, factory, model, outcome, timeout=timeout, keep_events=keep_events)
     session = None
     try:
         # The check's own retention checkers judge too (a retention or hit-rate
@@ -171,14 +171,16 @@ def witness(repro: Repro, outcome: ReplayOutcome) -> str:
         for ev in outcome.events:
             if ev.get("event") == "plan":
                 for r in ev["requests"]:
-                    lines.append(f"    plan    {r['request_id']} [{r['start']}, {r['end']}) blocks={r['block_table']} "
-                                 f"slot={r['state_slot']} init={r['state_init']}"
+                    on = f" on {r['worker']}" if r.get("worker") else ""  # a disaggregated plan's worker
+                    lines.append(f"    plan    {r['request_id']}{on} [{r['start']}, {r['end']}) "
+                                 f"blocks={r['block_table']} slot={r['state_slot']} init={r['state_init']}"
                                  + (f"<-{r['state_source']}" if r.get('state_source') is not None else "")
                                  + (f" snapshots={r['snapshots']}" if r.get('snapshots') else ""))
                 if ev.get("kv_copies") or ev.get("state_copies"):
                     lines.append(f"    copies  kv={ev.get('kv_copies')} state={ev.get('state_copies')}")
             elif ev.get("event") == "verdict":
-                lines.append(f"    verdict {ev['request_id']} [{ev['start']}, {ev['end']}) "
+                on = f" on {ev['worker']}" if ev.get("worker") else ""
+                lines.append(f"    verdict {ev['request_id']}{on} [{ev['start']}, {ev['end']}) "
                              f"{'ok' if ev['ok'] else 'WRONG'} max_rel_error={ev['max_rel_error']:.3g}")
     return "\n".join(lines)
 

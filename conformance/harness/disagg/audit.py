@@ -1,6 +1,8 @@
-"""Read audits for a worker step: every byte a step reads must have been
-written for that request's tokens, or be a zeroed tail.  The memory's
-provenance answers; what the implementation says is never consulted."""
+"""Read audits for a worker step: which bytes a step reads were not written
+for that request's tokens (nor are a zeroed tail).  The memory's provenance
+answers; what the implementation says is never consulted.  Each function
+returns the first such byte in words, or None; the worker runner reports
+them with the step and :mod:`conformance.judge.disagg.reads` judges them."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 They are options of a transport (``Transport(faults=...)``): the world
 misbehaving around a correct implementation, which must survive each one
 (right logits or a clear error, never wrong output reported as success).
-Every firing is recorded as a :class:`FaultEvent` naming the transport, the
-transfer, the request and the place, because a fault that never fired proves
-nothing.
+Every firing is recorded (a :class:`~conformance.harness.history.FaultFired`
+in the session's history) naming the transport, the transfer, the request and
+the place, because a fault that never fired proves nothing.
 
 - ``drop-descriptor``: one descriptor of a chunk is never posted.
 - ``truncate-tail``: the last descriptor of the last chunk moves only half its bytes.
@@ -47,12 +47,3 @@ class FaultSpec:
             return cls(kind, int(at) if at else 0)
         except ValueError as e:
             raise ValueError(f"bad transfer fault {text!r}: {e}") from None
-
-
-@dataclass(frozen=True)
-class FaultEvent:
-    fault: str
-    transport: str
-    transfer_id: int | None
-    request_id: str | None
-    where: str

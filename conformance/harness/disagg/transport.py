@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 from conformance.disagg.contract import ChunkNotice, Descriptor, DisaggTransfer, Handshake, TransferNotice
 from conformance.disagg.geometry import WorkerGeometry
+from conformance.harness.history import FaultFired, History
 
-from .faults import FaultEvent, FaultSpec
+from .faults import FaultSpec
 from .ledger import ChunkLedger, digest
 from .worker_memory import WorkerMemory
 
@@ -56,7 +57,8 @@ class Transport:
 
     def __init__(self, faults: tuple[FaultSpec, ...] = ()):
         self.faults = tuple(faults)
-        self.events: list[FaultEvent] = []
+        self.events: list[FaultFired] = []  # every firing, over every session on this transport
+        self.history: History | None = None  # the session's record, where each firing also goes
         self.prefill: WorkerMemory  # set by open()
         self.decode: WorkerMemory
         self._flights: list[_Flight] = []
@@ -144,10 +146,11 @@ class Transport:
     def _fires(self, kind: str, flight: _Flight | None = None) -> bool:
         return any(s.kind == kind and (flight is None or s.transfer == flight.index) for s in self.faults)
 
-    def _event(self, kind: str, flight: _Flight | None, where: str, request: str | None = None) -> None:
-        t = flight.transfer if flight else None
-        self.events.append(FaultEvent(kind, self.name, t.id if t else None,
-                                      t.request_id if t else request, where))
+    def _event(self, kind: str, flight: _Flight | None, where: str) -> None:
+        event = FaultFired(kind, where, flight.transfer if flight else None, self.name)
+        self.events.append(event)
+        if self.history is not None:
+            self.history.record(event)
 
     def _advance(self, f: _Flight) -> TransferNotice | None:
         t = f.transfer

@@ -6,8 +6,11 @@ The decode worker runs a paged *decode kernel*: it reads whole KV blocks
 (tiles) and masks the positions past the last token, so a stale tail is read
 -- harmless when finite (its weight is exactly 0) but poison when not
 (0 * NaN), which is why engines zero untransferred tails.  The decode side is
-also audited byte by byte: every byte it reads must belong to the request's
-tokens or be a zeroed tail.  The prefill worker reads exact ranges.
+also audited byte by byte: every byte it reads that memory's provenance does
+not give to the request's tokens (nor to a zeroed tail) is reported
+(``WorkerExecuted.stale``), measured before the step writes; the checkers of
+:mod:`conformance.judge.disagg` judge it.  The prefill worker reads exact
+ranges.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from .worker_memory import WorkerMemory
 class WorkerExecuted:
     step: RequestStep
     logits: torch.Tensor
-    problems: list[str] = field(default_factory=list)  # audit findings (decode side)
+    stale: list[str] = field(default_factory=list)  # bytes read that were not its own (decode side)
 
 
 def run_step(model: TinyHybrid, mem: WorkerMemory, rs: RequestStep, seq: tuple[int, ...],
@@ -46,11 +49,11 @@ def run_step(model: TinyHybrid, mem: WorkerMemory, rs: RequestStep, seq: tuple[i
     elif rs.state_init.kind == "copy" and rs.state_init.source is not None:
         parts = rs.state_init.parts
         mem.copy_state(rs.state_init.source, rs.state_slot, conv="conv" in parts, ssm="ssm" in parts)
-    problems = []
+    stale = []
     if tile_kernel:
         for p in (audit_kv(mem, rs.block_table, seq, rs.start), audit_state(mem, rs.state_slot, seq[: rs.start])):
             if p:
-                problems.append(p)
+                stale.append(p)
     past = mem.read_kv(rs.block_table, rs.start)
     states = mem.read_state(rs.state_slot)
     res = model.step(seq[rs.start: rs.end], rs.start, past, states, capture=tuple(p for p, _ in rs.snapshots))
@@ -67,5 +70,5 @@ def run_step(model: TinyHybrid, mem: WorkerMemory, rs: RequestStep, seq: tuple[i
             logits = logits + 0.0 * mem.tail_values(page, first).sum()
             p = audit_tail(mem, page, first, rs.request_id)
             if p:
-                problems.append(p)
-    return WorkerExecuted(rs, logits, problems)
+                stale.append(p)
+    return WorkerExecuted(rs, logits, stale)

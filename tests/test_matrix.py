@@ -26,13 +26,41 @@ def test_one_row_per_run_one_column_per_family():
     assert text[3].split()[-2:] == ["FAIL", "skip"]  # a skipped family reads as skipped, never as passed
 
 
-def test_matrix_command_writes_html(tmp_path, capsys):
+def _write(tmp_path, runs) -> list[str]:
     paths = []
-    for i, r in enumerate(RUNS):
+    for i, r in enumerate(runs):
         p = tmp_path / f"r{i}.json"
         p.write_text(json.dumps(r))
         paths.append(str(p))
-    assert cli(["matrix", *paths, "--html", str(tmp_path / "m.html")]) == 0
+    return paths
+
+
+def test_matrix_command_writes_html(tmp_path, capsys):
+    paths = _write(tmp_path, RUNS)
+    # rows with failures that no expectations file judges: the matrix is not green (issue 21 i)
+    assert cli(["matrix", *paths, "--html", str(tmp_path / "m.html")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL sglang 0.5.23: not as expected by " in out and "sglang-0.5.23.toml" in out
+    assert "ok   reference 1.0: passed" in out
     html = (tmp_path / "m.html").read_text()
     assert "sglang 0.5.23" in html and "reference 1.0" in html
+    assert cli(["matrix", paths[0]]) == 0  # a green row alone
     assert cli(["matrix", str(tmp_path / "missing.json")]) == 2
+
+
+def test_a_failing_row_judged_as_expected_is_green(tmp_path):
+    from conformance.cli.cmd_matrix import row_verdict
+
+    row = _run("myengine", "2.0", [("mid-block-hits", "mid-block", "failed"), ("tier-reuse", "tier", "passed")])
+    row["impl_spec"] = "myengine"
+    row["checks"][0]["failure"] = {"kind": "coverage", "message": "mid_block_hits stayed at 0"}
+    (tmp_path / "myengine-2.0.toml").write_text(
+        'engine = "myengine"\nversion = "2.0"\nimpl = "myengine"\n[checks."mid-block-hits"]\nstatus = "failed"\n'
+        'kind = "coverage"\n')
+    green, why = row_verdict(row, tmp_path)
+    assert green and "as expected by" in why
+    row["checks"][0]["failure"]["kind"] = "logits"  # failing otherwise than expected: not green
+    assert row_verdict(row, tmp_path)[0] is False
+    assert row_verdict(row)[0] is False  # no file for it in fixtures/expectations/
+    row["interrupted"] = True
+    assert row_verdict(row, tmp_path) == (False, "myengine 2.0: interrupted (its results are incomplete)")

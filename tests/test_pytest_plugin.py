@@ -135,3 +135,28 @@ def test_one_test_per_variant_of_the_configuration_matrix(tmp_path):
     results = json.loads((tmp_path / "rep2" / "results.json").read_text())
     assert [c["id"] for c in results["checks"]] == ["mid-block-hits"]
     assert results["impl_config"]["options"] == {"interval": 0}
+
+
+def test_a_check_the_harness_crashes_in_never_reads_as_a_pass(tmp_path):
+    """issue 21 d: the plugin's results.json and junit.xml after a harness
+    exception (not a check's failure) list the checks not run, marked crashed."""
+    (tmp_path / "conftest.py").write_text(
+        "import conformance.suite.execute as execute\n"
+        "_real = execute.run_check\n"
+        "def run_check(run, planned, res, *args, **kwargs):\n"
+        "    if planned.id == 'snapshot-reuse':\n"
+        "        raise MemoryError('out of memory in the oracle')\n"
+        "    return _real(run, planned, res, *args, **kwargs)\n"
+        "execute.run_check = run_check\n")
+    report = tmp_path / "rep"
+    proc = _pytest(tmp_path, "--hybrid-impl", "reference", "--hybrid-check", "mid-block-hits",
+                   "--hybrid-check", "snapshot-reuse", "--hybrid-check", "tier-reuse", "--hybrid-examples", "2",
+                   "--hybrid-report-dir", str(report))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    results = json.loads((report / "results.json").read_text())
+    assert results["crashed"] == "MemoryError: out of memory in the oracle" and not results["summary"]["ok"]
+    assert "snapshot-reuse" in results["not_run"]
+    suite = ET.parse(report / "junit.xml").getroot()
+    assert int(suite.get("errors")) >= 1
+    assert "not run: the run crashed" in [c.find("error").get("message") for c in suite.iter("testcase")
+                                          if c.find("error") is not None]

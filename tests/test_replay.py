@@ -31,8 +31,8 @@ def test_a_mutant_failure_leaves_a_repro(found):
     path = out / "repros" / "mid-block-hits--late-snapshot.json"
     assert path.exists() and check.failure.repro == str(path)
     doc = json.loads(path.read_text())
-    assert doc["schema"] == "hybrid-cache-conformance/repro" and doc["schema_version"] == 2
-    for key in ("implementation", "implementation_version", "impl", "seed", "impl_config", "model", "steps",
+    assert doc["schema"] == "hybrid-cache-conformance/repro" and doc["schema_version"] == 3
+    for key in ("implementation", "implementation_version", "impl", "seed", "impl_config", "model", "operations",
                 "mutant", "faults", "failure", "title", "harness"):
         assert key in doc, key
     assert doc["mutant"] == "late-snapshot" and doc["impl"] == "reference"
@@ -126,3 +126,26 @@ def test_a_retention_failure_replays_through_its_checks_observers(tmp_path):
     assert check.status == "failed" and check.failure.kind == "retention" and check.failure.repro
     assert cli(["replay", check.failure.repro]) == 1
     assert cli(["replay", check.failure.repro, "--mutant", "none"]) == 0
+
+
+FIXTURE_REPROS = sorted(Path(__file__).resolve().parent.parent.glob("fixtures/*/**/*.json"))
+
+
+@pytest.mark.parametrize("path", [p for p in FIXTURE_REPROS
+                                  if json.loads(p.read_text()).get("schema") == "hybrid-cache-conformance/repro"],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_repro_file_of_the_house_loads_in_every_format_version(path):
+    """Repro files written before the format named its operations "operations"
+    (versions 1 and 2: "steps"), the scenarios and the pinned defects among
+    them, load with the same operations as the same file written as version 3."""
+    from conformance.results.report import REPRO_VERSION
+    from conformance.results.repro import load, operations_key
+
+    doc = json.loads(path.read_text())
+    old = load(path)
+    assert old.operations and old.version == doc["schema_version"]
+    current = dict(doc, schema_version=REPRO_VERSION)
+    current[operations_key(REPRO_VERSION)] = current.pop(operations_key(doc["schema_version"]))
+    assert parse(current).operations == old.operations
+    v1 = {k: v for k, v in doc.items() if k not in ("title", "upstream", "harness")}
+    assert parse(dict(v1, schema_version=1)).operations == old.operations

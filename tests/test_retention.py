@@ -15,8 +15,10 @@ from conformance.harness.ops import Drain, Submit
 from conformance.judge import judged_session
 from conformance.judge.metrics import CacheMetrics
 from conformance.judge.retention import RetentionChecker
-from conformance.suite.checks import PROFILES, get_check
-from conformance.suite.run import RunOptions, run_check
+from conformance.suite.checks import get_check
+from conformance.suite.options import RunOptions
+from conformance.suite.prepared import Resources
+from conformance.suite.single import run_single_check
 from fault_injection.catalog import get_mutant
 
 torch.set_num_threads(1)  # the tiny model gains nothing from threads; a loaded CPU loses a lot
@@ -92,7 +94,7 @@ def test_undeclared_policy_is_skipped(model, oracle):
     class Silent(ReferenceCache):
         retention = None
 
-    res = run_check(Silent, get_check("retention-policy"), model, oracle, RunOptions(), PROFILES["quick"], 0)
+    res = run_single_check(Silent, "retention-policy", RunOptions(), Resources(model, oracle))
     assert res.status == "skipped" and "retention" in res.reason
 
 
@@ -101,12 +103,11 @@ def test_policy_declared_for_some_options_only_is_skipped_for_the_others(model, 
         def retention(self):
             return super().retention() if self.policy.interval == 0 else None
 
-    spec = get_check("retention-policy")  # interval 8 unless overridden
-    res = run_check(IntervalZeroOnly, spec, model, oracle, RunOptions(), PROFILES["quick"], 0)
+    # interval 8 unless overridden
+    res = run_single_check(IntervalZeroOnly, "retention-policy", RunOptions(), Resources(model, oracle))
     assert res.status == "skipped" and "'interval': 8" in res.reason
-    res = run_check(IntervalZeroOnly, spec, model, oracle, RunOptions(examples=3, steps=4,
-                                                                        impl_options={"interval": 0}),
-                    PROFILES["quick"], 0)
+    res = run_single_check(IntervalZeroOnly, "retention-policy",
+                           RunOptions(examples=3, steps=4, impl_options={"interval": 0}), Resources(model, oracle))
     assert res.status != "skipped"
 
 
@@ -182,7 +183,7 @@ def test_admit_first_sighting_is_a_retention_failure(model, oracle):
 def test_checks_through_the_machine(model, oracle, check, mutant, kind):
     factory = get_mutant(mutant).wrap(ReferenceCache) if mutant else ReferenceCache
     spec = get_check(check)
-    res = run_check(factory, spec, model, oracle, RunOptions(examples=8, steps=8), PROFILES["quick"], 0)
+    res = run_single_check(factory, check, RunOptions(examples=8, steps=8), Resources(model, oracle))
     if mutant is None:
         assert res.status == "passed", res.failure
         assert res.metrics["requests"] > 0 and 0 <= res.metrics["state_hit_rate"] <= res.metrics["kv_hit_rate"] <= 1

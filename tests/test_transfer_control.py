@@ -49,7 +49,8 @@ def test_new_operations_round_trip_and_reject_bad_fields():
 
 def test_old_repro_files_still_load():
     repro = load("fixtures/scenarios/late-snapshot-published-too-late.json")
-    assert repro.steps and all(type(op).__name__ in ("Submit", "Drain", "Step", "Abort") for op in repro.steps)
+    ops = repro.operations
+    assert ops and all(type(op).__name__ in ("Submit", "Drain", "Step", "Abort") for op in ops)
 
 
 def test_held_loads_wait_for_decisions_and_the_reference_survives_each(tiny):

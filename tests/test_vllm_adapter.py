@@ -293,7 +293,8 @@ def test_faults_through_the_state_machine(tmp_path):
     faults = ("alloc-fail", "transfer-fail", "transfer-corrupt", "transfer-partial")
     result = run(RunOptions(impl="vllm", checks=("eviction-pressure",), faults=faults, report_dir=tmp_path,
                             matrix=False))
-    assert [(c.id, c.status) for c in result.checks] == [("eviction-pressure", "passed")]
+    assert [(c.id, c.status) for c in result.checks] == [("eviction-pressure", "passed"),
+                                                         ("faults-exercised", "passed")]
     assert all(result.faults[f]["fired"] > 0 for f in faults), result.faults
 
 
@@ -535,10 +536,10 @@ def test_pd_mutants_are_registered_for_the_disagg_family():
     assert set(pd) == {"vllm-pd-failed-recv-as-finished", "vllm-pd-last-state-sent"}
     assert all(m.description for m in pd.values())
     from conformance.suite.options import RunOptions
-    from conformance.suite.prepare import prepare
+    from conformance.suite.prepare import prepare_run
 
     for name in pd:  # --impl vllm --mutant NAME is accepted (and wraps the disaggregated mode)
-        prepare(RunOptions(impl="vllm", mutant=name, checks=("disagg-transfer",)))
+        prepare_run(RunOptions(impl="vllm", mutant=name, checks=("disagg-transfer",), write_reports=False))
 
 
 @pytest.mark.parametrize("name", ["vllm-pd-failed-recv-as-finished", "vllm-pd-last-state-sent"])

@@ -22,7 +22,8 @@ def resolve(spec: str) -> ImplFactory:
     """``reference``, ``vllm`` or ``module:Class`` -> a factory ``f(ImplConfig)``."""
     target = NAMED.get(spec, spec)
     if ":" not in target:
-        raise UsageError(f"--impl {spec!r}: expected one of {', '.join(sorted(NAMED))} or module:Class")
+        raise UsageError(f"--impl {spec!r}: expected one of {', '.join(sorted({*NAMED, *ENGINE_LEVEL}))} or "
+                         f"module:Class")
     module_name, _, attr = target.partition(":")
     _import_from_cwd()
     try:
@@ -35,7 +36,7 @@ def resolve(spec: str) -> ImplFactory:
         raise UsageError(f"--impl {spec}: cannot import {module_name}: {exc}{hint}") from None
     except Exception as exc:  # noqa: BLE001 - a module that fails on import is a usage problem too
         raise UsageError(f"--impl {spec}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
-    factory = module
+    factory: object = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:

@@ -135,7 +135,7 @@ def summarize(workload: list[WorkloadRequest], session, metrics: CacheMetrics) -
     if declared:
         prefixes = {r.prompt[: r.prefix_len] for r in declared}
         entries = len(prefixes & metrics.admitted)
-        hits = sum(starts.get(r.id, 0) >= r.prefix_len for r in declared)
+        hits = sum(starts.get(r.id, 0) >= (r.prefix_len or 0) for r in declared)
         unit = "declared prefix"
     else:
         entries = len(metrics.admitted)

@@ -1,6 +1,11 @@
 """``hybrid-conformance matrix RESULTS...``: several runs side by side, by
 check family (the reference, vLLM at both levels, SGLang: each run in its own
-environment, each a results.json or a report directory)."""
+environment, each a results.json or a report directory).
+
+Exit 1 when a row is not green (a failure or an error, an interrupted run, a
+run that checked nothing), unless the expectations file of that row's engine
+and version (``fixtures/expectations/``, as ``run`` finds it) judges the row
+as expected: a matrix is a verdict too, never green over a failing row."""
 
 from __future__ import annotations
 
@@ -16,6 +21,36 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def row_verdict(row: dict, directory: Path | None = None) -> tuple[bool, str]:
+    """(green, why) for one row: green when it passed, or when its expectations
+    file (in ``directory``, default ``fixtures/expectations/``) says it is as expected."""
+    from conformance.results.compare import find_expectations, format_expectations, what_ran
+    from conformance.results.expectations import EXPECTATIONS_DIR
+    from conformance.results.matrix import run_label
+
+    label = run_label(row)
+    checks = row.get("checks") or []
+    bad = [c["id"] for c in checks if c.get("status") in ("failed", "error")]
+    nothing = what_ran(row)
+    if row.get("interrupted"):
+        how = f"crashed ({row['crashed']})" if row.get("crashed") else "interrupted"
+        return False, f"{label}: {how} (its results are incomplete)"
+    if not bad and not nothing:
+        return True, f"{label}: passed"
+    impl = row.get("impl_spec") or row.get("implementation") or ""
+    expectations = None if row.get("mutant") else find_expectations(impl, row.get("implementation_version") or "",
+                                                                     directory or EXPECTATIONS_DIR)
+    if expectations is not None and not nothing:
+        _, as_expected = format_expectations(row, expectations)
+        if as_expected:
+            return True, f"{label}: {len(bad)} failing checks, as expected by {expectations}"
+        return False, f"{label}: not as expected by {expectations} (hybrid-conformance compare {expectations} ...)"
+    if nothing:
+        return False, f"{label}: {nothing}"
+    return False, f"{label}: {len(bad)} failing checks ({', '.join(bad[:6])}{', ...' if len(bad) > 6 else ''}), " \
+                  f"no expectations file judges them"
+
+
 def main(args) -> int:
     from conformance.results.compare import load_results
     from conformance.results.matrix import format_matrix
@@ -25,6 +60,9 @@ def main(args) -> int:
     except CompareInputError as exc:
         raise UsageError(str(exc)) from None
     print(format_matrix(rows))
+    verdicts = [row_verdict(r) for r in rows]
+    for green, why in verdicts:
+        print(f"{'  ok  ' if green else '  FAIL'} {why}")
     if args.html:
         from conformance.results.files import atomic_write
         from conformance.results.html import render
@@ -32,4 +70,4 @@ def main(args) -> int:
         args.html.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(args.html, render(rows, base=args.html.parent, title="hybrid-cache-conformance: matrix"))
         print(f"wrote {args.html}")
-    return 0 if all(r.get("checks") for r in rows) else 1
+    return 0 if all(green for green, _ in verdicts) else 1

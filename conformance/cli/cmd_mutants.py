@@ -47,7 +47,8 @@ def add_parser(sub) -> None:
     p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
     p.add_argument("--examples", type=positive_int, default=None,
                    help="Hypothesis examples per check (overrides profile)")
-    p.add_argument("--steps", type=positive_int, default=None, help="operations per example (overrides profile)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="Hypothesis steps per example (rule calls; overrides profile)")
     p.set_defaults(func=main)
 
 
@@ -111,7 +112,7 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
     started = time.perf_counter()
     # Detection cost counts every check run before the one that caught it:
     # that is what the suite spent to find the bug.
-    examples_before = seconds_before = 0
+    examples_before, seconds_before = 0, 0.0
     part = 0
     while remaining:
         out = report_dir if part == 0 else report_dir / f"part{part + 1}"
@@ -132,10 +133,10 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
                     seconds_before += c.seconds
                     break
                 entry.update(detected=True, check=c.id, kind=f.kind, message=f.message[:500],
-                             repro_steps=len(f.steps) if f.steps else None, repro=f.repro)
+                             repro_steps=len(f.operations) if f.operations else None, repro=f.repro)
                 if f.examples_to_failure is not None:
                     entry["examples_to_detection"] = examples_before + f.examples_to_failure
-                    entry["seconds_to_detection"] = round(seconds_before + f.seconds_to_failure, 3)
+                    entry["seconds_to_detection"] = round(seconds_before + (f.seconds_to_failure or 0.0), 3)
                 entry["seconds"] = round(time.perf_counter() - started, 3)
                 return entry
             examples_before += c.examples

@@ -1,7 +1,10 @@
 """``hybrid-conformance replay FILE``: re-execute a repro file.
 
 Exit codes: 1 the failure reproduces (the witness is printed), 0 it does not,
-2 the file is malformed or cannot run here (the message names the field)."""
+2 the file is malformed or cannot run here (the message names the field).
+A replay that times out reproduces only a recorded timeout: a timeout of a
+file that recorded another failure (on a loaded machine, a short --timeout)
+neither reproduces nor clears it, and is said so (exit 2)."""
 
 from __future__ import annotations
 
@@ -41,17 +44,25 @@ def main(args) -> int:
         outcome = replay(repro, cli_impl=args.impl, cli_mutant=args.mutant, trust_impl=args.trust_impl,
                          use_faults=not args.no_faults, timeout=args.timeout)
     except ReproFormatError as exc:
-        raise UsageError(f"{args.file}: {exc}") from None
+        text = str(exc)  # load() names the file when it cannot read it; a field error does not
+        raise UsageError(text if text.startswith(f"{args.file}:") else f"{args.file}: {text}") from None
     what = f"{outcome.impl}" + (f" + mutant {outcome.mutant}" if outcome.mutant else "") + \
            (f" + faults {','.join(outcome.faults)}" if outcome.faults else "")
     label = repro.title or repro.check or args.file.name
     for note in outcome.notes:
         print(f"note: {note}", file=sys.stderr)
+    recorded = repro.failure.get("kind")
+    if outcome.reproduced and outcome.kind == "timeout" and recorded != "timeout":
+        at = f"at operation {outcome.failed_at + 1} of {len(repro.operations)}" if outcome.failed_at is not None \
+            else "building the implementation"
+        said = f"a failure of kind {recorded}" if recorded else "no failure kind"
+        raise UsageError(f"{args.file}: the replay timed out {at} ({outcome.message.splitlines()[0][:160]}), but the "
+                         f"file records {said}: not reproduced and not cleared; replay with a larger --timeout "
+                         f"(now {args.timeout:g} s)")
     if outcome.reproduced:
         print(f"REPRODUCED: {label} on {what}")
         if not args.quiet:
             print(witness(repro, outcome))
-            recorded = repro.failure.get("kind")
             if recorded and recorded != outcome.kind:
                 print(f"\nnote: the file recorded a {recorded} failure; this replay failed with {outcome.kind}")
         return 1

@@ -5,9 +5,11 @@ from __future__ import annotations
 import signal
 import sys
 
-from conformance.cli.common import Progress, add_impl_options, parse_options, positive_int, summary_lines
+from conformance.adapters import ENGINE_LEVEL
+from conformance.cli.common import Progress, add_impl_options, parse_options, positive_int, summary_lines, terminated
 from conformance.errors import UsageError
-from conformance.suite.run import RunOptions, run
+from conformance.suite.prepare import prepare_run
+from conformance.suite.run import RunOptions, execute
 
 
 def add_parser(sub) -> None:
@@ -19,7 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--faults", default="", help="environment faults to inject, comma separated")
     p.add_argument("--examples", type=positive_int, default=None,
                    help="Hypothesis examples per check (overrides profile)")
-    p.add_argument("--steps", type=positive_int, default=None, help="operations per example (overrides profile)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="Hypothesis steps per example: rule calls, each applying one or more operations "
+                        "(overrides profile)")
     p.add_argument("--shard", default=None, metavar="I/N",
                    help="run only share I of N of the checks (1-based; for CI matrices)")
     p.add_argument("--workers", type=positive_int, default=1, help="run checks in N processes on this machine")
@@ -48,27 +52,27 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return shard
 
 
-def _terminate_as_interrupt(signum, frame):
-    # A CI runner cancels with SIGTERM: treat it like Ctrl-C so the run marks
-    # itself interrupted and keeps its reports (SIGKILL cannot be caught; the
-    # reports written after each check still hold).
-    raise KeyboardInterrupt
-
-
-def main(args) -> int:
-    if args.impl in ("vllm-engine",):
-        from conformance.cli.engine_run import run_engine
-
-        return run_engine(args)
-    opts = RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, report_dir=args.report_dir,
+def options_from(args) -> RunOptions:
+    """The run the command line asks for."""
+    return RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, report_dir=args.report_dir,
                       checks=tuple(args.check), mutant=args.mutant,
                       faults=tuple(f for f in args.faults.split(",") if f), timeout=args.timeout,
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
                       block_size=args.block_size, num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots,
                       progress=Progress(), shard=parse_shard(args.shard),
                       shrink=args.shrink, workers=args.workers, matrix=not args.no_matrix)
-    if args.workers < 1:
-        raise UsageError(f"--workers {args.workers}: must be at least 1")
+
+
+def main(args) -> int:
+    # A CI runner cancels with SIGTERM: the run stops as on Ctrl-C (it marks
+    # itself interrupted and keeps its reports) and exits 143 (SIGKILL cannot
+    # be caught; the reports written after each check still hold).
+    signal.signal(signal.SIGTERM, terminated)
+    if args.impl in ENGINE_LEVEL:
+        from conformance.cli.engine_run import run_engine
+
+        return run_engine(args)
+    opts = options_from(args)
     if args.expectations:
         from conformance.errors import CompareInputError
         from conformance.results.compare import load_expectations
@@ -77,8 +81,7 @@ def main(args) -> int:
             load_expectations(args.expectations)  # a typo should fail now, not after the run
         except CompareInputError as exc:
             raise UsageError(str(exc)) from None
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
-    result = run(opts)
+    result = execute(prepare_run(opts))  # every usage error is raised by prepare_run, before any work
     for line in summary_lines(result):
         print(line, file=sys.stderr)
     expectations = args.expectations

@@ -49,22 +49,32 @@ def add_impl_options(p) -> None:
                    help="override the checks' state-slot pool size (ImplConfig.num_state_slots; at least 2)")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a CI cancel): stops the run as Ctrl-C does; the exit code is 143 (128 + SIGTERM)."""
+
+
+def terminated(signum, frame):
+    raise Terminated
+
+
 class Progress:
     """One line per check, rewritten in place on a terminal."""
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr  # looked up now: sys.stderr may be replaced (pytest capture)
         self.tty = self.stream.isatty()
+        self.said: dict[str, str] = {}  # failure message -> the first check that printed it
 
     def __call__(self, event: str, **info) -> None:
         if event == "check-start":
             self._line(f"[{info['index'] + 1}/{info['total']}] {info['check']} ...")
         elif event == "example" and self.tty:
-            self._line(f"    {info['check']}: {info['examples']} examples, {info['steps']} operations", end="\r")
+            self._line(f"    {info['check']}: {info['examples']} test cases, {info['operations']} operations",
+                       end="\r")
         elif event == "check-end":
             r = info["result"]
             cov = ", ".join(f"{k}={v}" for k, v in r.coverage.items() if v)
-            self._line(f"    {r.id}: {r.status.upper()} ({r.examples} examples, {r.steps} operations, "
+            self._line(f"    {r.id}: {r.status.upper()} ({r.examples} examples, {r.operations} operations, "
                        f"{r.seconds:.1f}s) {cov}")
             for note in r.notes:
                 self._line(f"      note: {note}")
@@ -73,9 +83,14 @@ class Progress:
             if r.status == "skipped":
                 self._line(f"      skipped: {r.reason or 'no reason given'}")
             if r.failure is not None:
-                self._line(f"      {r.failure.kind}: {r.failure.message[:300]}")
+                first = self.said.setdefault(r.failure.message, r.id)
+                if first != r.id:  # a constructor that raises says so once, not once per check
+                    head = r.failure.message.splitlines()[0][:160]
+                    self._line(f"      {r.failure.kind}: the same failure as {first} ({head})")
+                else:
+                    self._line(f"      {r.failure.kind}: {r.failure.message[:300]}")
                 if r.failure.repro:
-                    self._line(f"      repro: {r.failure.repro} ({len(r.failure.steps)} operations)")
+                    self._line(f"      repro: {r.failure.repro} ({len(r.failure.operations)} operations)")
 
     def _line(self, text: str, end: str = "\n") -> None:
         if self.tty:
@@ -95,4 +110,13 @@ def summary_lines(result) -> list[str]:
     lines += [f"  skipped {c.id}: {c.reason or 'no reason given'}" for c in result.checks if c.status == "skipped"]
     if not result.checked and not result.interrupted:
         lines.append("nothing was checked: every check was skipped (or none ran); this run proves nothing (exit 1)")
+    elif result.checked:
+        from conformance.results.compare import what_ran
+
+        why = what_ran(result.to_dict())
+        if why:  # every check errored building the implementation: one line says it
+            lines.append(f"nothing was checked: {why}")
+    if result.interrupted and result.not_run:
+        why = f"the run crashed ({result.crashed})" if result.crashed else "interrupted"
+        lines.append(f"{why}: {len(result.not_run)} planned checks did not run ({', '.join(result.not_run)})")
     return lines

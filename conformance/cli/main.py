@@ -1,4 +1,4 @@
-"""``hybrid-conformance``: one subcommand per module in ``conformance.commands``.
+"""``hybrid-conformance``: one subcommand per module ``conformance/cli/cmd_<name>.py``.
 
 Exit codes: 0 all checks passed, 1 a conformance failure (or an unexpected
 result), 2 a usage error (with a one-line message naming the problem)."""
@@ -35,9 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"hybrid-conformance: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("hybrid-conformance: interrupted; results so far are in the report directory", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        from conformance.cli.common import Terminated
+
+        signal = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
+        print(f"hybrid-conformance: interrupted ({signal}); results so far are in the report directory, the "
+              f"checks that did not run are listed as not run", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
 
 
 if __name__ == "__main__":

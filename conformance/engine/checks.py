@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from conformance.engine.options import EngineOptions
 from conformance.engine.references import CacheOffReference, TransformersReference
 from conformance.engine.tolerance import (
     Tolerance,
@@ -30,7 +31,8 @@ from conformance.engine.tolerance import (
 from conformance.engine.trace import CachedEngine, Trace, run_workload
 from conformance.engine.vllm_engine import VllmEngine
 from conformance.engine.workloads import FAMILIES, Size
-from conformance.errors import EngineError
+from conformance.engine.workloads import eviction as eviction_workload
+from conformance.errors import EngineError, FailureKind
 from conformance.results.records import CheckResult, Failure
 
 DESCRIPTIONS = {
@@ -59,6 +61,12 @@ class Variant:
         return self.model + (f"+{self.variant}" if self.variant else "")
 
 
+def _vocab(opts: EngineOptions) -> int:
+    if opts.vocab_size is None:
+        raise ValueError("the run sets vocab_size from the model fixture before running a variant")
+    return opts.vocab_size
+
+
 def check_id(family: str, v: Variant) -> str:
     return f"engine-{family}:{v.key}"
 
@@ -69,10 +77,11 @@ def _seed_for(seed: int, cid: str) -> int:
 
 def _engine_error_failure(tr: Trace) -> Failure:
     e = tr.error
+    assert e is not None, "a failure of the engine is judged only for a trace that has one"
     where = "starting the engine" if tr.error_round == -1 else f"round {tr.error_round}"
-    return Failure(kind="raised" if e.kind != "timeout" else "timeout",
+    return Failure(kind=FailureKind.RAISED if e.kind != "timeout" else FailureKind.TIMEOUT,
                    message=f"engine {e.kind} during {where}: {e.message}",
-                   steps=tr.repro(tr.error_round) if tr.error_round is not None and tr.error_round >= 0 else [],
+                   operations=tr.repro(tr.error_round) if tr.error_round is not None and tr.error_round >= 0 else [],
                    events=[{"engine_log_tail": e.log_tail[-3000:]}])
 
 
@@ -85,12 +94,12 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
                          "cached_tokens", "generated_tokens", "compared_cache_off", "compared_transformers",
                          "evicted_replays"), 0)
     res = CheckResult(id=tr.check_id, family=f"engine-{tr.family}", status="passed",
-                      description=DESCRIPTIONS[tr.family], examples=1, steps=len(tr.rounds), seconds=tr.seconds,
+                      description=DESCRIPTIONS[tr.family], examples=1, operations=len(tr.rounds), seconds=tr.seconds,
                       coverage=cov)
     failure: Failure | None = None
     too_noisy = noise_verdict(tol) if off is not None else None
     if too_noisy:  # no comparison with cache-off can be trusted: said first, never widened
-        failure = Failure(kind="noise", message=too_noisy, steps=tr.repro())
+        failure = Failure(kind=FailureKind.NOISE, message=too_noisy, operations=tr.repro())
     deltas = _Deltas()
     best_hit: dict[tuple[int, ...], int] = {}
     for ri, (rnd, outs, bnds) in enumerate(zip(tr.rounds, tr.outputs, tr.bounds)):
@@ -106,10 +115,10 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
     if failure is None and cov["expected_hits"]:
         share = cov["expected_hits_met"] / cov["expected_hits"]
         if share < tol.min_hit_share:
-            failure = Failure(kind="coverage", message=(
+            failure = Failure(kind=FailureKind.COVERAGE, message=(
                 f"only {cov['expected_hits_met']} of {cov['expected_hits']} requests designed to hit the prefix "
                 f"cache did (cached tokens > 0); at least {tol.min_hit_share:.0%} must, or the check tested nothing"),
-                steps=tr.repro())
+                operations=tr.repro())
     if failure is not None:
         res.status = "failed"
         res.failure = failure
@@ -159,11 +168,11 @@ def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffRefere
              "cached_tokens": out.cached_tokens, "tokens": list(out.tokens), "logprobs": list(out.logprobs)}
     what = f"{req.label} (cached {out.cached_tokens} of {len(req.prompt)} prompt tokens)"
     if out.cached_tokens > bound or len(out.logprobs) != len(out.tokens):
-        failure = Failure(kind="contract", message=(
+        failure = Failure(kind=FailureKind.CONTRACT, message=(
             f"{req.label}: engine reports {out.cached_tokens} cached tokens, but no sequence it was shown "
             f"shares more than {bound} tokens with this prompt" if out.cached_tokens > bound else
             f"{req.label}: {len(out.tokens)} tokens but {len(out.logprobs)} logprobs"),
-            steps=tr.repro(ri), events=[where])
+            operations=tr.repro(ri), events=[where])
     if off is not None:
         ref = off.get(req.prompt, req.max_tokens)
         cov["compared_cache_off"] += 1
@@ -173,8 +182,8 @@ def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffRefere
         (deltas.hits if out.cached_tokens else deltas.misses).append(d)
         mm = compare_to_cache_off(out.tokens, out.logprobs, ref.tokens, ref.logprobs, tol)
         if mm and failure is None:
-            failure = Failure(kind="logits", message=f"{what} vs cache-off engine: {mm.message}",
-                              steps=tr.repro(ri), events=[where, {"cache_off_tokens": list(ref.tokens),
+            failure = Failure(kind=FailureKind.LOGITS, message=f"{what} vs cache-off engine: {mm.message}",
+                              operations=tr.repro(ri), events=[where, {"cache_off_tokens": list(ref.tokens),
                                                                   "cache_off_logprobs": list(ref.logprobs)}])
     if hf is not None:
         sc = hf.score(req.prompt + out.tokens, len(req.prompt))
@@ -188,8 +197,8 @@ def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffRefere
             baseline = tuple(abs(a - b) for a, b in zip(ref.logprobs[:k], sc_off.chosen[:k]))
         mm = compare_to_transformers(out.tokens, out.logprobs, sc, tol, baseline)
         if mm and failure is None:
-            failure = Failure(kind="logits", message=f"{what} vs transformers: {mm.message}",
-                              steps=tr.repro(ri), events=[where, {"transformers": sc.to_dict()}])
+            failure = Failure(kind=FailureKind.LOGITS, message=f"{what} vs transformers: {mm.message}",
+                              operations=tr.repro(ri), events=[where, {"transformers": sc.to_dict()}])
     return failure
 
 
@@ -247,7 +256,8 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
             if gap > ceiling:
                 flips += 1
     res = CheckResult(id=cid, family="engine-reference-agreement", status="passed",
-                      description=DESCRIPTIONS["reference-agreement"], examples=1, steps=len(items), seconds=seconds,
+                      description=DESCRIPTIONS["reference-agreement"], examples=1, operations=len(items),
+                      seconds=seconds,
                       coverage={"requests": len(items), "compared_transformers": len(items),
                                 "ill_conditioned_excused": len(excused)})
     if measurements is not None:
@@ -256,9 +266,9 @@ def reference_agreement(v: Variant, items: list, off: CacheOffReference, hf: Tra
     if worst > ceiling or flips:
         res.status = "failed"
         note = f"; {len(excused)} ill-conditioned positions excused" if excused else ""
-        res.failure = Failure(kind="logits", message=(
+        res.failure = Failure(kind=FailureKind.LOGITS, message=(
             f"cache-off engine vs transformers: max |Δlogprob| {worst:.3g} (ceiling {ceiling:.3g} for "
-            f"{dtype}), {flips} argmax flips that are not near-ties{note}"), steps=[where] if where else [])
+            f"{dtype}), {flips} argmax flips that are not near-ties{note}"), operations=[where] if where else [])
     return res
 
 
@@ -298,15 +308,16 @@ def calibrate_tolerance(items: list, off: CacheOffReference, hf: TransformersRef
                      min_hit_share)
 
 
-def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None) -> tuple[dict, list[CheckResult]]:
+def run_variant(v: Variant, seed: int, size: Size, options: EngineOptions | dict,
+                progress=None) -> tuple[dict, list[CheckResult]]:
     """All checks of one model variant.  Never raises for an engine defect.
 
     Phases: the families that run on the cached engine, eviction on a
     small-memory engine, P/D on a prefill and a decode engine; then the
     references (cache-off engine, transformers), in bulk; then the verdicts."""
     say = progress or (lambda msg: None)
-    opts = {**options, **v.options}
-    info: dict = {"variant": v.key, "options": {k: val for k, val in opts.items() if k != "python"}}
+    opts = EngineOptions.parse(options).merged(v.options)
+    info: dict = {"variant": v.key, "options": opts.given}
     traces, block_size, startup_error = _run_on_cached_engine(v, seed, size, opts, info, say)
     if "eviction" in v.families:
         traces.append(_run_eviction(v, seed, size, opts, info, say, block_size, startup_error))
@@ -325,7 +336,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
         if ref_error is not None and tr.error is None:
             results.append(CheckResult(id=tr.check_id, family=f"engine-{tr.family}", status="error",
                                        description=DESCRIPTIONS[tr.family], seconds=tr.seconds,
-                                       failure=Failure(kind="raised", message=ref_error)))
+                                       failure=Failure(kind=FailureKind.RAISED, message=ref_error)))
             continue
         results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements))
         if tr.family == "pd":
@@ -336,7 +347,7 @@ def run_variant(v: Variant, seed: int, size: Size, options: dict, progress=None)
     return info, results
 
 
-def _run_on_cached_engine(v: Variant, seed: int, size: Size, opts: dict, info: dict, say):
+def _run_on_cached_engine(v: Variant, seed: int, size: Size, opts: EngineOptions, info: dict, say):
     """Every family but eviction and P/D (which run on engines of their own),
     on one caching engine; returns (traces, block size, startup error)."""
     main = CachedEngine(VllmEngine(v.model, True, opts))
@@ -362,13 +373,13 @@ def _run_on_cached_engine(v: Variant, seed: int, size: Size, opts: dict, info: d
                     traces.append(Trace(cid, fam, error=e, error_round=-1))
                     continue
             rng = random.Random(_seed_for(seed, cid))
-            traces.append(run_workload(cid, fam, main, FAMILIES[fam](rng, block_size, opts["vocab_size"], size)))
+            traces.append(run_workload(cid, fam, main, FAMILIES[fam](rng, block_size, _vocab(opts), size)))
     finally:
         main.engine.close()
     return traces, block_size, startup_error
 
 
-def _run_eviction(v: Variant, seed: int, size: Size, opts: dict, info: dict, say, block_size,
+def _run_eviction(v: Variant, seed: int, size: Size, opts: EngineOptions, info: dict, say, block_size,
                   startup_error) -> Trace:
     """Eviction on a small-memory engine (its block size is the cached engine's)."""
     cid = check_id("eviction", v)
@@ -376,13 +387,13 @@ def _run_eviction(v: Variant, seed: int, size: Size, opts: dict, info: dict, say
         return Trace(cid, "eviction", error_round=-1,
                      error=startup_error or EngineError("startup", "the cached engine never started"))
     say(f"{cid}: running on a small-memory engine")
-    blocks = int(opts.get("eviction_blocks", 24))
-    small = CachedEngine(VllmEngine(v.model, True, {**opts, "num_gpu_blocks_override": blocks}))
+    blocks = opts.eviction_blocks
+    small = CachedEngine(VllmEngine(v.model, True, replace(opts, num_gpu_blocks_override=blocks)))
     try:
         rng = random.Random(_seed_for(seed, cid))
-        max_prompt = min(int(opts.get("max_model_len", 1024)) - size.long_max_tokens, size.max_blocks * block_size)
-        trace = run_workload(cid, "eviction", small, FAMILIES["eviction"](
-            rng, block_size, opts["vocab_size"], size, pool_tokens=blocks * block_size, max_prompt=max_prompt))
+        max_prompt = min(opts.max_model_len - size.long_max_tokens, size.max_blocks * block_size)
+        trace = run_workload(cid, "eviction", small, eviction_workload(
+            rng, block_size, _vocab(opts), size, pool_tokens=blocks * block_size, max_prompt=max_prompt))
         if small.engine.info is not None:
             info["eviction_engine"] = {"num_blocks": small.engine.info.extra.get("num_blocks")}
         return trace
@@ -390,18 +401,18 @@ def _run_eviction(v: Variant, seed: int, size: Size, opts: dict, info: dict, say
         small.engine.close()
 
 
-def _references(v: Variant, traces: list[Trace], opts: dict, info: dict, say):
+def _references(v: Variant, traces: list[Trace], opts: EngineOptions, info: dict, say):
     """The cache-off and transformers references of every distinct sequence,
     in bulk and memoized, and the tolerance calibrated from them.  Returns the
     results it produced (reference agreement) and (off, hf, tol, error, agreement)."""
     results: list[CheckResult] = []
     items = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, _, _ in tr.requests()))
-    dtype = opts.get("dtype") or opts["fixture_dtype"]
-    exact = bool(opts.get("exact", opts.get("device", "cpu") == "cpu"))
+    dtype = opts.judged_dtype
+    exact = opts.is_exact
     # The references never carry a planted fault.
-    off_engine = VllmEngine(v.model, False, {k: val for k, val in opts.items() if k != "fault"})
-    off = CacheOffReference(off_engine, batch_size=int(opts.get("max_num_seqs", 8)))
-    hf = None if opts.get("skip_transformers") else TransformersReference(v.model, opts)
+    off_engine = VllmEngine(v.model, False, replace(opts, fault=None))
+    off = CacheOffReference(off_engine, batch_size=opts.max_num_seqs)
+    hf = None if opts.skip_transformers else TransformersReference(v.model, opts)
     # Transformers in the engine's reduced dtype: asked only about positions that
     # fail reference agreement, to tell an ill-conditioned position from a defect
     # (its worker starts on the first question, so a clean run never pays for it).
@@ -419,7 +430,7 @@ def _references(v: Variant, traces: list[Trace], opts: dict, info: dict, say):
                 say(f"{v.key}: transformers reference")
                 hf.prefetch([(r.prompt + o.tokens, len(r.prompt)) for tr in traces for r, o, _ in tr.requests()] +
                             [(p + off.get(p, n).tokens, len(p)) for p, n in items])
-            tol = calibrate_tolerance(items, off, hf, dtype, exact, float(opts.get("min_hit_share", 0.5)))
+            tol = calibrate_tolerance(items, off, hf, dtype, exact, opts.min_hit_share)
             if hf is not None:
                 results.append(reference_agreement(v, items, off, hf, tol, dtype, time.monotonic() - t0,
                                                    hf_cond=hf_cond, measurements=agreement))
@@ -433,7 +444,7 @@ def _references(v: Variant, traces: list[Trace], opts: dict, info: dict, say):
         if hf_cond is not None:
             hf_cond.close()
     if tol is None:
-        tol = calibrate(dtype, exact, 0.0, 1.0, 0.0, 1.0, 0, float(opts.get("min_hit_share", 0.5)))
+        tol = calibrate(dtype, exact, 0.0, 1.0, 0.0, 1.0, 0, opts.min_hit_share)
     info["tolerance"] = {**tol.to_dict(), "calibrated": bool(items) and ref_error is None}
     info["reference_runs"] = {"cache_off": off.runs, "transformers": hf.runs if hf else 0}
     return results, (off, hf, tol, ref_error, agreement)

@@ -44,7 +44,7 @@ class TransformersForward:
         # Weights are stored in the engine's dtype; computing in float32 keeps
         # the reference's own rounding well below the engine's.
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, compute_dtype)).to(device).eval()
+            str(model_dir), dtype=getattr(torch, compute_dtype)).to(device).eval()  # type: ignore[arg-type]
         self.runs = 0
 
     def log_probs(self, tokens: Sequence[int]):

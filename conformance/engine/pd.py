@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from conformance.engine.adapter import EngineInfo, EngineOutput
+from conformance.engine.options import EngineOptions
 from conformance.engine.process import WorkerProcess, engine_python
 from conformance.engine.vllm_engine import CALL_TIMEOUT, engine_env, init_engine
 from conformance.errors import EngineError
@@ -34,6 +35,13 @@ from conformance.errors import EngineError
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
+
+# The settings a P/D engine's worker reads (pd_worker.PdHost, then vllm_host.VllmHost).
+PD_WORKER_KEYS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
+                  "block_size", "mamba_ssm_cache_dtype", "mamba_cache_mode", "enforce_eager",
+                  "mamba2_checkpoint_workaround", "enable_chunked_prefill", "fault", "kv_connector",
+                  "kv_load_failure_policy", "kv_connector_extra_config", "tensor_parallel_size",
+                  "distributed_executor_backend", "kv_buffer_device")
 
 _HANDED_OUT: set[int] = set()  # side-channel ports this process gave an engine
 
@@ -102,28 +110,25 @@ class PdOutput(EngineOutput):
 class PdEngine:
     """One side of the pair: ``vllm.LLM`` with the NixlConnector in a worker subprocess."""
 
-    def __init__(self, model: str, role: str, options: dict | None = None):
+    def __init__(self, model: str, role: str, options: EngineOptions | dict | None = None):
         assert role in ("kv_producer", "kv_consumer"), role
         self.model = model
         self.role = role
-        self.options = dict(options or {})
+        self.options = EngineOptions.parse(options)
         self.label = f"vllm-{model}-{'prefill' if role == 'kv_producer' else 'decode'}"
         self.worker: WorkerProcess | None = None
         self.info: EngineInfo | None = None
         self.port = 0
 
     def _worker_options(self) -> dict:
-        keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
-                "block_size", "mamba_ssm_cache_dtype", "mamba_cache_mode", "enforce_eager",
-                "mamba2_checkpoint_workaround", "enable_chunked_prefill", "fault", "kv_connector",
-                "kv_load_failure_policy", "kv_connector_extra_config", "tensor_parallel_size",
-                "distributed_executor_backend", "kv_buffer_device")
-        opts = {k: self.options[k] for k in keys if self.options.get(k) is not None}
-        opts["prefix_caching"] = bool(self.options.get("prefix_caching", True))
+        opts = self.options.for_worker(PD_WORKER_KEYS)
+        if not self.options.mamba2_checkpoint_workaround:
+            opts.pop("mamba2_checkpoint_workaround", None)
+        opts["prefix_caching"] = self.options.prefix_caching
         opts["kv_role"] = self.role
-        if self.options.get("pd_fault"):  # a P/D fault or mutant (pd_worker.PD_FAULTS): the pair only
-            opts["fault"] = self.options["pd_fault"]
-        if self.options.get("device", "cpu") != "cpu":
+        if self.options.pd_fault:  # a P/D fault or mutant (pd_worker.PD_FAULTS): the pair only
+            opts["fault"] = self.options.pd_fault
+        if self.options.device != "cpu":
             # Two engines (and the references) share one GPU; the KV moves GPU to GPU.
             opts.setdefault("gpu_memory_utilization", 0.25)
             opts.setdefault("kv_buffer_device", "cuda")
@@ -133,16 +138,17 @@ class PdEngine:
         self.port = free_port()
         env = engine_env(self.options)
         env.update({"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port)})
-        env.update(self.options.get("env") or {})
+        env.update(self.options.env)
         self.worker = WorkerProcess(engine_python(self.options), env=env, label=self.label)
         self.worker.start()
         self.info = init_engine(self.worker, "vllm-pd", self.model, self.options, self._worker_options(), self.label,
-                                bool(self.options.get("prefix_caching", True)))
+                                self.options.prefix_caching)
         return self.info
 
     def generate(self, prompts, max_tokens: int, params: list[dict | None]) -> list[dict]:
         if self.worker is None:
             self.start()
+        assert self.worker is not None  # start() made it, or raised
         ans = self.worker.call({"cmd": "generate_pd", "prompts": [list(p) for p in prompts],
                                 "max_tokens": max_tokens, "params": params}, timeout=CALL_TIMEOUT)
         return ans["outputs"]
@@ -159,12 +165,12 @@ class PdPair:
     ``options`` apply to both sides; ``prefill_options`` / ``decode_options`` override per
     side (e.g. a different ``block_size`` on each side: heterogeneous block sizes)."""
 
-    def __init__(self, model: str, options: dict | None = None, prefill_options: dict | None = None,
+    def __init__(self, model: str, options: EngineOptions | dict | None = None, prefill_options: dict | None = None,
                  decode_options: dict | None = None):
-        base = dict(options or {})
+        base = EngineOptions.parse(options)
         clean = lambda d: {k: v for k, v in (d or {}).items() if v is not None}  # noqa: E731
-        self.prefill = PdEngine(model, "kv_producer", {**base, **clean(prefill_options)})
-        self.decode = PdEngine(model, "kv_consumer", {**base, **clean(decode_options)})
+        self.prefill = PdEngine(model, "kv_producer", base.merged(clean(prefill_options)))
+        self.decode = PdEngine(model, "kv_consumer", base.merged(clean(decode_options)))
         self.model = model
         self.label = f"pd-{model}"
         self.info: EngineInfo | None = None

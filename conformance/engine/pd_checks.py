@@ -14,11 +14,13 @@ A check that moved nothing over NIXL tested nothing: it fails on coverage.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+from conformance.engine.options import EngineOptions
 from conformance.engine.pd import PdPair
 from conformance.engine.trace import CachedEngine, Trace, run_workload
 from conformance.engine.workloads import Req, Size, Workload, _toks, boundary_offsets
-from conformance.errors import EngineError
+from conformance.errors import EngineError, FailureKind
 from conformance.results.records import Failure
 
 DESCRIPTION = ("prefill on a kv_producer engine, decode on a kv_consumer engine, KV and recurrent state "
@@ -59,14 +61,15 @@ class PdCachedEngine(CachedEngine):
         return len(prompt) - 1
 
 
-def pd_pair(v, opts: dict) -> PdPair:
+def pd_pair(v, opts: EngineOptions) -> PdPair:
     """Both sides get the variant's engine options; ``pd_prefill`` / ``pd_decode`` (dicts)
     override per side, e.g. ``{"block_size": 256}`` for heterogeneous block sizes."""
-    side = {k: val for k, val in opts.items() if k not in ("pd_prefill", "pd_decode")}
-    return PdPair(v.model, side, prefill_options=opts.get("pd_prefill"), decode_options=opts.get("pd_decode"))
+    side = replace(opts, pd_prefill=None, pd_decode=None)
+    return PdPair(v.model, side, prefill_options=dict(opts.pd_prefill or {}),
+                  decode_options=dict(opts.pd_decode or {}))
 
 
-def run_pd_trace(cid: str, v, seed_rng: random.Random, size: Size, opts: dict) -> tuple[Trace, dict]:
+def run_pd_trace(cid: str, v, seed_rng: random.Random, size: Size, opts: EngineOptions) -> tuple[Trace, dict]:
     pair = pd_pair(v, opts)
     cached = PdCachedEngine(pair)
     info: dict = {}
@@ -75,11 +78,13 @@ def run_pd_trace(cid: str, v, seed_rng: random.Random, size: Size, opts: dict) -
             cached.ensure()
         except EngineError as e:
             return Trace(cid, "pd", error=e, error_round=-1), info
+        assert pair.info is not None  # ensure() started the pair
         B = pair.info.block_size
         info = {"prefill": pair.info.extra.get("prefill", {}), "decode": pair.info.extra.get("decode", {}),
                 "decode_block_size": B}
-        max_prompt = int(opts.get("max_model_len", 1024)) - size.max_tokens
-        tr = run_workload(cid, "pd", cached, pd_workload(seed_rng, B, opts["vocab_size"], size, max_prompt))
+        max_prompt = opts.max_model_len - size.max_tokens
+        assert opts.vocab_size is not None, "the run sets vocab_size from the model fixture"
+        tr = run_workload(cid, "pd", cached, pd_workload(seed_rng, B, opts.vocab_size, size, max_prompt))
         info["transfers"] = pair.transfers
         tr.local_bounds = cached.local_bounds[:sum(len(o) for o in tr.outputs)]
         return tr, info
@@ -93,15 +98,15 @@ def pd_coverage(res, tr: Trace) -> None:
     for k in ("pd_loads", "pd_failed_loads", "prefill_hits", "decode_local_hits", "external_tokens",
               "bytes_transferred"):
         cov.setdefault(k, 0)
-    bounds = getattr(tr, "local_bounds", [])
+    bounds = tr.local_bounds
     for i, (req, out, _) in enumerate(tr.requests()):
         c = getattr(out, "decode_connector", {}) or {}
         local = int(c.get("local_hit") or 0)
         if i < len(bounds) and local > bounds[i] and res.failure is None:
             res.status = "failed"
-            res.failure = Failure(kind="contract", message=(
+            res.failure = Failure(kind=FailureKind.CONTRACT, message=(
                 f"{req.label}: the decode engine reports a local hit of {local} tokens, but no sequence it was "
-                f"shown shares more than {bounds[i]} tokens with this prompt"), steps=tr.repro())
+                f"shown shares more than {bounds[i]} tokens with this prompt"), operations=tr.repro())
         cov["pd_loads"] += bool(getattr(out, "loaded", False))
         cov["pd_failed_loads"] += bool(c.get("recv_failed"))
         cov["prefill_hits"] += getattr(out, "prefill_cached", 0) > 0
@@ -117,6 +122,6 @@ def pd_coverage(res, tr: Trace) -> None:
                 seen_calls.add(ri)
     if res.status == "passed" and tr.outputs and cov["pd_loads"] == 0:
         res.status = "failed"
-        res.failure = Failure(kind="coverage", message=(
+        res.failure = Failure(kind=FailureKind.COVERAGE, message=(
             "no decode request received KV/state from the prefill engine over NIXL "
-            f"({cov['pd_failed_loads']} failed loads): the P/D path was not exercised"), steps=tr.repro())
+            f"({cov['pd_failed_loads']} failed loads): the P/D path was not exercised"), operations=tr.repro())

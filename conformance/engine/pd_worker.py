@@ -36,9 +36,10 @@ class PdHost(VllmHost):
             if options.get(key) is not None:
                 extra[key] = options[key]
         super().__init__(model_dir, {**options, "llm_extra": extra})
-        vc = self.llm.llm_engine.vllm_config
-        self.info.update({"kv_role": options["kv_role"], "engine_id": vc.kv_transfer_config.engine_id,
-                          "kv_connector": vc.kv_transfer_config.kv_connector,
+        ktc_built = self.llm.llm_engine.vllm_config.kv_transfer_config
+        assert ktc_built is not None  # given above
+        self.info.update({"kv_role": options["kv_role"], "engine_id": ktc_built.engine_id,
+                          "kv_connector": ktc_built.kv_connector,
                           "side_channel_port": int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")),
                           "conv_state_layout": os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "")})
         self.observed = _ConnectorObserver(self.llm)
@@ -59,7 +60,8 @@ class PdHost(VllmHost):
             seen = self.observed.for_request(o.request_id)
             c = o.outputs[0]
             toks = list(c.token_ids)
-            lps = [float(d[t].logprob) for t, d in zip(toks, c.logprobs or [])]
+            # logprobs=0 asks for the chosen token's: every position has a dict (a None would raise here)
+            lps = [float(d[t].logprob) for t, d in zip(toks, c.logprobs or [])]  # type: ignore[index]
             res.append({"tokens": toks, "logprobs": lps, "cached": int(o.num_cached_tokens or 0),
                         "kv_transfer_params": _jsonable(getattr(o, "kv_transfer_params", None)), "connector": seen})
         return res
@@ -107,14 +109,14 @@ class _ConnectorObserver:
         self.connector.update_connector_output = update_connector_output
 
     def reset(self) -> None:
-        self.claims.clear(), self.recv_done.clear(), self.recv_failed.clear(), self.sent.clear()
-        self.stats.clear()
+        for seen in (self.claims, self.recv_done, self.recv_failed, self.sent, self.stats):
+            seen.clear()
 
     def for_request(self, rid: str) -> dict:
         # The engine's own id is the output's id plus a suffix ("0-9acf2384").
         own = [k for k in self.claims if k == rid or k.startswith(f"{rid}-")]
         key = own[-1] if own else None
-        claims = self.claims.get(key, [])
+        claims = self.claims.get(key, []) if key is not None else []
         return {"engine_request_id": key, "claims": claims,
                 "local_hit": claims[-1][0] if claims else None,
                 "external_tokens": max((c[1] or 0 for c in claims), default=0),
@@ -186,7 +188,7 @@ def _mutant_last_state_sent() -> None:
     recomputes the last token of a full hit), so it applies the last token twice."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
 
-    NixlBaseConnectorScheduler._prefill_backoff = lambda self: 0
+    NixlBaseConnectorScheduler._prefill_backoff = lambda self: 0  # type: ignore[method-assign]  # the mutant
 
 
 PD_FAULTS = {"pd-transfer-fails": _fault_transfer_fails,

@@ -20,11 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV_PYTHON = REPO / ".venvs" / "vllm-cpu" / "bin" / "python"
 
 
-def engine_python(options: dict | None = None) -> str:
+def engine_python(options=None) -> str:
     """The interpreter that has vLLM: option ``python``, then $HCC_VLLM_PYTHON,
     then the venv scripts/install_vllm_cpu.sh makes by default, then this one."""
-    opts = options or {}
-    for cand in (opts.get("python"), os.environ.get("HCC_VLLM_PYTHON")):
+    from conformance.engine.options import EngineOptions
+
+    opts = EngineOptions.parse(options)
+    for cand in (opts.python, os.environ.get("HCC_VLLM_PYTHON")):
         if cand:
             return str(cand)
     return str(DEFAULT_VENV_PYTHON) if DEFAULT_VENV_PYTHON.exists() else sys.executable
@@ -58,7 +60,8 @@ class WorkerProcess:
                                          stdin=subprocess.PIPE, stdout=fd, stderr=fd, pass_fds=(w,),
                                          env=env, cwd=str(REPO), text=True)
         except OSError as e:
-            os.close(w), os.close(fd), os.close(r)
+            for f in (w, fd, r):
+                os.close(f)
             self.proc = None
             raise EngineError("startup", f"{self.label}: cannot run {self.python}: {e}") from None
         os.close(w)
@@ -75,9 +78,11 @@ class WorkerProcess:
     def call(self, msg: dict, timeout: float) -> dict:
         if self.proc is None or self.proc.poll() is not None:
             raise EngineError("crashed", f"{self.label}: worker is not running", self.log_tail())
+        stdin = self.proc.stdin
+        assert stdin is not None  # started with stdin=PIPE
         try:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
+            stdin.write(json.dumps(msg) + "\n")
+            stdin.flush()
         except (BrokenPipeError, OSError) as e:
             raise EngineError("crashed", f"{self.label}: worker gone ({e})", self.log_tail()) from None
         deadline = time.monotonic() + timeout
@@ -110,8 +115,10 @@ class WorkerProcess:
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
-                self.proc.stdin.write(json.dumps({"cmd": "exit"}) + "\n")
-                self.proc.stdin.flush()
+                stdin = self.proc.stdin
+                assert stdin is not None  # started with stdin=PIPE
+                stdin.write(json.dumps({"cmd": "exit"}) + "\n")
+                stdin.flush()
                 self.proc.wait(timeout=20)
             except (OSError, subprocess.TimeoutExpired):
                 self.kill()

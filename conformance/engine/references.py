@@ -12,11 +12,16 @@ run however many checks ask for it).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from conformance.engine.adapter import EngineOutput
 from conformance.engine.hf_forward import Scored
+from conformance.engine.options import EngineOptions
 from conformance.engine.process import WorkerProcess, engine_python
 from conformance.errors import EngineError
+
+if TYPE_CHECKING:
+    from conformance.engine.hf_forward import TransformersForward
 
 HF_TIMEOUT = 300.0
 
@@ -62,17 +67,17 @@ class TransformersReference:
     """Scores sequences with transformers, in a worker subprocess (the harness's
     Python need not have transformers) or in this process (``in_process=True``)."""
 
-    def __init__(self, model: str, options: dict | None = None, in_process: bool = False,
+    def __init__(self, model: str, options: EngineOptions | dict | None = None, in_process: bool = False,
                  compute_dtype: str = "float32"):
         self.model = model
-        self.options = dict(options or {})
+        self.options = EngineOptions.parse(options)
         self.in_process = in_process
         # float32 is the reference; a reduced-precision copy (the engine's dtype)
         # only probes how far rounding alone moves a position (see
         # checks.reference_agreement).
         self.compute_dtype = compute_dtype
         self._memo: dict[tuple[tuple[int, ...], int], Scored] = {}
-        self._local = None
+        self._local: TransformersForward | None = None
         self._worker: WorkerProcess | None = None
         self.version = ""
         self.runs = 0
@@ -84,17 +89,16 @@ class TransformersReference:
             from conformance.engine.hf_forward import TransformersForward
             from conformance.engine.models import ensure_model
 
-            self._local = TransformersForward(ensure_model(self.model, self.options.get("cache_dir")),
-                                              compute_dtype=self.compute_dtype,
-                                              device=self.options.get("device", "cpu"))
+            self._local = TransformersForward(ensure_model(self.model, self.options.cache_dir),
+                                              compute_dtype=self.compute_dtype, device=self.options.device)
             self.version = transformers.__version__
         elif not self.in_process and self._worker is None:
             self._worker = WorkerProcess(engine_python(self.options), env={"TOKENIZERS_PARALLELISM": "false"},
                                          label=f"hf-{self.model}-{self.compute_dtype}")
             self._worker.start()
             ans = self._worker.call({"cmd": "init", "kind": "hf", "model": self.model,
-                                     "cache_dir": self.options.get("cache_dir"),
-                                     "options": {"device": self.options.get("device", "cpu"),
+                                     "cache_dir": self.options.cache_dir,
+                                     "options": {"device": self.options.device,
                                                  "hf_compute_dtype": self.compute_dtype}}, timeout=HF_TIMEOUT)
             self.version = ans["info"]["version"]
 
@@ -106,6 +110,7 @@ class TransformersReference:
         if self._local is not None:
             scores = [self._local.score(t, s) for t, s in todo]
         else:
+            assert self._worker is not None  # _ensure() started it
             ans = self._worker.call({"cmd": "score", "items": [{"tokens": list(t), "start": s} for t, s in todo]},
                                     timeout=HF_TIMEOUT)
             scores = [Scored.from_dict(d) for d in ans["scores"]]

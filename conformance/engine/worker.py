@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import traceback
+from typing import Any
 
 from conformance.engine.vllm_host import VllmHost
 
@@ -40,7 +41,7 @@ def main() -> None:
     proto = os.fdopen(int(sys.argv[1]), "w", buffering=1)
     # Everything else the engine prints goes to stderr (a log file the parent keeps).
     os.dup2(2, 1)
-    host = None
+    host: Any = None  # VllmHost, PdHost or HfHost: each answers the commands of its kind
     for line in sys.stdin:
         msg = json.loads(line)
         try:

@@ -90,10 +90,12 @@ def _matrix(results: list[dict]) -> list[str]:
     out.append("<th>passed</th><th>failed</th><th>errors</th><th>skipped</th><th>run</th></tr></thead><tbody>")
     for r in results:
         s = r.get("summary") or {}
-        state = "interrupted" if r.get("interrupted") else ("running" if not r.get("finished") else "complete")
+        state = ("crashed" if r.get("crashed") else "interrupted") if r.get("interrupted") else \
+            ("running" if not r.get("finished") else "complete")
         if state == "complete" and not any(c.get("status") != "skipped" for c in r.get("checks", [])):
             state = "nothing was checked"
-        badge = {"complete": "ok", "interrupted": "warn", "running": "warn", "nothing was checked": "bad"}[state]
+        badge = {"complete": "ok", "interrupted": "warn", "crashed": "bad", "running": "warn",
+                 "nothing was checked": "bad"}[state]
         out.append(f"<tr><th>{e(run_label(r))}</th>")
         for f in families:
             status, tip = family_cell([c for c in r.get("checks", []) if c.get("family") == f])
@@ -142,9 +144,13 @@ def _checks(results: list[dict]) -> list[str]:
             status = c["status"] + (f": {c['reason']}" if c["status"] == "skipped" and c.get("reason") else "")
             out.append(f"<tr><td>{e(run_label(r))}</td><td title='{e(c.get('description', ''))}'>{e(c['id'])}</td>"
                        f"<td>{e(str(c.get('family', '')))}</td><td class='{e(c['status'])}'>{e(status)}</td>"
-                       f"<td class='num'>{c.get('examples', 0)}</td><td class='num'>{c.get('steps', 0)}</td>"
+                       f"<td class='num'>{c.get('examples', 0)}</td><td class='num'>{c.get('operations', 0)}</td>"
                        f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td>"
                        f"<td>{'<br>'.join(e(n) for n in c.get('notes') or [])}</td></tr>")
+        why = "not run: the run crashed" if r.get("crashed") else "not run: interrupted"
+        for cid in r.get("not_run") or [] if r.get("interrupted") else []:
+            out.append(f"<tr><td>{e(run_label(r))}</td><td>{e(cid)}</td><td></td>"
+                       f"<td class='error'>{why}</td><td></td><td></td><td></td><td></td><td></td></tr>")
     out.append("</tbody></table>")
     return out
 
@@ -165,7 +171,7 @@ def _failures(results: list[dict], base: Path | None) -> list[str]:
             rel = _rel(f["repro"], base)
             out.append(f"<p>repro: <a href='{e(rel)}'><code>{e(rel)}</code></a><br>replay: "
                        f"<code>{e(replay_command(f['repro'], r.get('impl_spec')))}</code></p>")
-        steps = f.get("steps") or []
+        steps = f.get("operations") or []
         if steps:
             body = "\n".join(f"{i + 1:>3}. {json.dumps(s)}" for i, s in enumerate(steps))
             out.append(f"<details><summary>minimized sequence ({len(steps)} operations)</summary>"
@@ -183,6 +189,10 @@ def _faults_and_plots(results: list[dict], plots) -> list[str]:
         out += [f"<tr><td>{e(run_label(r))}</td><td>{e(name)}</td><td><code>{e(json.dumps(info))}</code></td></tr>"
                 for r, name, info in faults]
         out.append("</table>")
+    why = [str((r.get("metrics") or {}).get("plots_missing")) for r in results
+           if (r.get("metrics") or {}).get("plots_missing")]
+    if why and not plots:
+        out.append(f"<h2>Plots</h2><p class='meta'>no plots: {e(why[0])}</p>")
     if plots:
         out.append("<h2>Plots</h2>")
         for p in plots:

@@ -1,27 +1,42 @@
-"""Results of a run, as plain data (the boundary between running and reporting)."""
+"""Results of a run, as plain data (the boundary between running and reporting).
+
+results.json is these records as JSON (``RunResult.to_dict``), with a
+``schema_version``; :func:`result_from_dict` reads every version back
+(version 1 files named the operations ``steps`` and counted machine
+constructions as ``examples``)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+
+from conformance.errors import FailureKind
 
 STATUSES = ("passed", "failed", "error", "skipped")
-SCHEMA_VERSION = 1
+# 2: a check's "operations" (was "steps"), "examples" as --examples counts them and "test_cases" (the
+# state machines Hypothesis built, invalid and shrinking ones included: what version 1 called "examples");
+# a failure's "operations" (was "steps") and "test_cases_to_failure".
+SCHEMA_VERSION = 2
 # Every kind a Failure can have (an expectations file names one of them).
-# "noise": an engine check whose measured noise is above the documented ceiling (too noisy to judge).
-FAILURE_KINDS = ("logits", "invariant", "contract", "stall", "retention", "hit-rate", "coverage", "noise",
-                 "raised", "timeout", "harness")
+FAILURE_KINDS = tuple(k.value for k in FailureKind)
 
 
 @dataclass
 class Failure:
-    kind: str  # logits | invariant | contract | raised | timeout | stall | coverage
+    kind: FailureKind
     message: str
-    steps: list[dict] = field(default_factory=list)  # the minimized operation sequence (ops as data)
+    operations: list[dict] = field(default_factory=list)  # the minimized operations (ops as data)
     events: list[dict] = field(default_factory=list)  # the last plans and verdicts before the failure
     repro: str | None = None  # path of the repro file, once written
-    examples_to_failure: int | None = None  # examples run until the first failing one (before shrinking)
+    # Before shrinking: the examples (as --examples counts them, the failing one
+    # included), the test cases (state machines built) and the seconds until the
+    # first failing example: what finding it cost.
+    examples_to_failure: int | None = None
+    test_cases_to_failure: int | None = None
     seconds_to_failure: float | None = None
     impl_config: dict | None = None  # the configuration it failed under (a repro replays exactly that)
+
+    def __post_init__(self) -> None:
+        self.kind = FailureKind(self.kind)
 
 
 @dataclass
@@ -33,8 +48,9 @@ class CheckResult:
     # The options of a configuration-matrix variant (its id names them too);
     # empty for a check run as the profile lists it.
     options: dict = field(default_factory=dict)
-    examples: int = 0
-    steps: int = 0
+    examples: int = 0  # Hypothesis examples, as --examples counts them
+    test_cases: int = 0  # state machines built (invalid examples and shrinking included): the cost
+    operations: int = 0  # operations applied over all test cases
     seconds: float = 0.0
     coverage: dict[str, int] = field(default_factory=dict)
     failure: Failure | None = None
@@ -57,7 +73,10 @@ class RunResult:
     profile: str
     started: str
     finished: str | None = None
+    # The run stopped before its plan was done: a signal (SIGINT, SIGTERM), or the
+    # harness itself raised outside any check (``crashed`` then says what it raised).
     interrupted: bool = False
+    crashed: str = ""
     impl_spec: str = ""  # what --impl said (reference, vllm, module:Class)
     model: dict = field(default_factory=dict)
     impl_config: dict = field(default_factory=dict)
@@ -65,6 +84,8 @@ class RunResult:
     fault_names: list[str] = field(default_factory=list)
     faults: dict[str, dict] = field(default_factory=dict)  # fault name -> {"fired": n, ...}
     checks: list[CheckResult] = field(default_factory=list)
+    # Planned checks that did not run (the run was interrupted or crashed first): reported as not run, never dropped.
+    not_run: list[str] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
 
     @property
@@ -93,11 +114,59 @@ class RunResult:
         d["schema_version"] = SCHEMA_VERSION
         d["coverage"] = self.coverage
         d["summary"] = {s: sum(c.status == s for c in self.checks) for s in STATUSES}
+        d["summary"]["not_run"] = len(self.not_run)
         d["summary"]["checked"] = self.checked
         d["summary"]["ok"] = self.ok
         d["summary"]["skip_reasons"] = {c.id: c.reason for c in self.checks if c.status == "skipped"}
         # Of the failures, those that are performance bugs (reuse below the declared
         # retention policy; logits were right): reported apart from correctness.
         d["summary"]["hit_rate_failures"] = sum(c.status == "failed" and c.failure is not None
-                                                and c.failure.kind == "hit-rate" for c in self.checks)
+                                                and c.failure.kind == FailureKind.HIT_RATE for c in self.checks)
         return d
+
+
+# -- reading results.json back, every version ---------------------------------------------------
+
+# Version 1's names of the fields version 2 renamed (check, failure).
+_V1_CHECK = {"steps": "operations", "examples": "test_cases"}
+_V1_FAILURE = {"steps": "operations", "examples_to_failure": "test_cases_to_failure"}
+
+
+def upgrade(doc: dict) -> dict:
+    """A results.json document of any version as the current version (a copy;
+    unknown keys are kept).  Version 1 counted state machines built as
+    ``examples``: they become ``test_cases``, and ``examples`` is unknown (0)."""
+    version = doc.get("schema_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version > SCHEMA_VERSION:
+        from conformance.errors import CompareInputError
+
+        raise CompareInputError(f"results.json schema_version {version!r}: this harness reads 1 to "
+                                f"{SCHEMA_VERSION}")
+    out = dict(doc)
+    if version < 2:
+        out["checks"] = [_renamed(c, _V1_CHECK, failure=True) for c in doc.get("checks") or []]
+        out["schema_version"] = SCHEMA_VERSION
+    return out
+
+
+def _renamed(d: dict, names: dict, failure: bool = False) -> dict:
+    out = {names.get(k, k): v for k, v in d.items()}
+    if failure and isinstance(out.get("failure"), dict):
+        out["failure"] = _renamed(out["failure"], _V1_FAILURE)
+    return out
+
+
+def result_from_dict(d: dict) -> RunResult:
+    """results.json (any version) back into a RunResult (unknown keys, e.g.
+    from a newer harness, are ignored)."""
+    d = upgrade(d)
+    known = {f.name for f in fields(RunResult)}
+    run = RunResult(**{k: v for k, v in d.items() if k in known and k != "checks"})
+    ck = {f.name for f in fields(CheckResult)}
+    fk = {f.name for f in fields(Failure)}
+    for c in d.get("checks", []):
+        c = {k: v for k, v in c.items() if k in ck}
+        if c.get("failure"):
+            c["failure"] = Failure(**{k: v for k, v in c["failure"].items() if k in fk})
+        run.checks.append(CheckResult(**c))
+    return run

@@ -1,20 +1,114 @@
 """Writes what a run produced: results.json, junit.xml, index.html and repro files.
 
-Every write goes to a temporary file first and is renamed into place, so a
-run killed at any moment leaves valid files for what had finished."""
+:class:`ReportDir` is the one writer every run goes through (the CLI, the
+pytest plugin, the engine-level run, a merge of shards): it holds the
+directory's lock, writes a failing check's repro, then the three reports,
+after every check.  Every write goes to a temporary file first and is renamed
+into place, so a run killed at any moment leaves valid files for what had
+finished."""
 
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from conformance.errors import UsageError
 from conformance.results.files import atomic_write, strict_json
 from conformance.results.html import replay_command, write_index
 from conformance.results.records import CheckResult, RunResult
 
 REPRO_SCHEMA = "hybrid-cache-conformance/repro"
-REPRO_VERSION = 2  # docs/repro-format.md; conformance.results.repro reads it
+REPRO_VERSION = 3  # docs/repro-format.md; conformance.results.repro reads it (and versions 1 and 2)
+LOCK = ".lock"
+NOT_RUN = "not run: interrupted"
+NOT_RUN_CRASHED = "not run: the run crashed"
+
+
+class ReportDir:
+    """A run's report directory, held for the run: a second run into the same
+    directory at the same time is refused (its reports would overwrite this
+    one's), and a directory that cannot be written is a usage error before any
+    check runs.  The lock file holds the owner's pid; a lock left by a process
+    that no longer exists (a SIGKILL) is taken over."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._locked = False
+
+    def open(self) -> ReportDir:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock()
+        except OSError as exc:
+            raise UsageError(f"--report-dir {self.path}: cannot write there: {exc.strerror or exc}") from None
+        return self
+
+    def _lock(self) -> None:
+        lock = self.path / LOCK
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = _owner(lock)
+                if owner is not None and owner != os.getpid() and _alive(owner):
+                    raise UsageError(f"--report-dir {self.path}: another run (pid {owner}) is writing its reports "
+                                     f"there; use another directory, or wait for it") from None
+                lock.unlink(missing_ok=True)  # left by a run that is gone: take it over
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()}\n")
+            self._locked = True
+            return
+
+    def close(self) -> None:
+        if self._locked:
+            (self.path / LOCK).unlink(missing_ok=True)
+            self._locked = False
+
+    def __enter__(self) -> ReportDir:
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_finished(self, result: RunResult, check: CheckResult) -> None:
+        """After each check: its repro (if it failed), then every report, so
+        that a run killed later keeps this check."""
+        if check.failure is not None:  # the configuration it failed under, recorded by the check
+            write_failure_repro(self.path, result, check, check.failure.impl_config or {})
+        self.write(result)
+
+    def write(self, result: RunResult) -> None:
+        write_all(self.path, result)
+
+    def finish(self, result: RunResult) -> None:
+        """The run ended (or was interrupted): the plot, then every report, then the lock goes."""
+        from conformance.results.plots import write_run_plot
+
+        why = write_run_plot(self.path, result)
+        if why:
+            result.metrics["plots_missing"] = why
+        self.write(result)
+        self.close()
+
+
+def _owner(lock: Path) -> int | None:
+    try:
+        return int(lock.read_text().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
 
 
 def write_all(out: Path, result: RunResult) -> None:
@@ -25,14 +119,22 @@ def write_all(out: Path, result: RunResult) -> None:
 
 
 def junit_xml(result: RunResult) -> str:
+    """One ``<testcase>`` per check.  An interrupted run lists the planned
+    checks that did not run as errors ("not run: interrupted") and says so on
+    the testsuite (an ``interrupted`` property and an error count that
+    includes them): a CI reading JUnit never sees such a run as a pass.  A
+    run the harness crashed out of is interrupted too, and says what raised."""
     summary = result.to_dict()["summary"]
+    not_run = result.not_run if result.interrupted else []
     suite = ET.Element("testsuite", name=f"hybrid-cache-conformance[{result.implementation}]",
-                       tests=str(len(result.checks)), failures=str(summary["failed"]), errors=str(summary["error"]),
-                       skipped=str(summary["skipped"]),
+                       tests=str(len(result.checks) + len(not_run)), failures=str(summary["failed"]),
+                       errors=str(summary["error"] + len(not_run)), skipped=str(summary["skipped"]),
                        time=f"{sum(c.seconds for c in result.checks):.3f}")
     props = ET.SubElement(suite, "properties")
     for key, value in (("implementation", result.implementation), ("version", result.implementation_version),
-                       ("seed", result.seed), ("profile", result.profile), ("mutant", result.mutant or "")):
+                       ("seed", result.seed), ("profile", result.profile), ("mutant", result.mutant or ""),
+                       ("interrupted", str(result.interrupted).lower()), ("crashed", result.crashed),
+                       ("not_run", len(not_run))):
         ET.SubElement(props, "property", name=key, value=str(value))
     for c in result.checks:
         case = ET.SubElement(suite, "testcase", classname=f"conformance.{c.family}", name=c.id, time=f"{c.seconds:.3f}")
@@ -42,23 +144,36 @@ def junit_xml(result: RunResult) -> str:
             el.text = _witness(c, result.impl_spec)
         elif c.status == "skipped":
             ET.SubElement(case, "skipped", message=c.reason)
+    why = f"the run crashed ({result.crashed})" if result.crashed else "the run was interrupted"
+    if result.interrupted:
+        ET.SubElement(suite, "system-err").text = \
+            f"{why}: {len(result.checks)} checks finished, {len(not_run)} did not run"
+    for cid in not_run:
+        case = ET.SubElement(suite, "testcase", classname="conformance.not-run", name=cid, time="0.000")
+        ET.SubElement(case, "error", message=NOT_RUN_CRASHED if result.crashed else NOT_RUN,
+                      type="crashed" if result.crashed else "interrupted").text = \
+            f"{cid} was planned but did not run: {why}"
     return ET.tostring(suite, encoding="unicode") + "\n"
 
 
 def _witness(c: CheckResult, impl_spec: str | None = None) -> str:
-    lines = [c.failure.message, "", f"minimized sequence ({len(c.failure.steps)} operations):"]
-    lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(c.failure.steps)]
-    if c.failure.repro:
-        lines += ["", f"replay: {replay_command(c.failure.repro, impl_spec)}"]
+    f = c.failure
+    assert f is not None
+    lines = [f.message, "", f"minimized sequence ({len(f.operations)} operations):"]
+    lines += [f"  {i + 1}. {json.dumps(s)}" for i, s in enumerate(f.operations)]
+    if f.repro:
+        lines += ["", f"replay: {replay_command(f.repro, impl_spec)}"]
     return "\n".join(lines)
 
 
 def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> dict:
+    failure = check.failure
+    assert failure is not None, "a repro is written for a failed check"
     mutant_part = f" with mutant {result.mutant}" if result.mutant else ""
     return {
         "schema": REPRO_SCHEMA,
         "schema_version": REPRO_VERSION,
-        "title": f"{check.id}: {check.failure.kind} failure on {result.implementation}{mutant_part}",
+        "title": f"{check.id}: {failure.kind} failure on {result.implementation}{mutant_part}",
         "upstream": [],
         "created": result.started,
         "harness": _harness_version(),
@@ -73,10 +188,10 @@ def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> 
         "model": result.model,
         "mutant": result.mutant,
         "faults": result.fault_names,
-        "failure": {"kind": check.failure.kind, "message": check.failure.message},
-        "steps": check.failure.steps,
+        "failure": {"kind": failure.kind, "message": failure.message},
+        "operations": failure.operations,
         # informational only (replay recomputes them): the last plans and verdicts
-        "events": check.failure.events,
+        "events": failure.events,
     }
 
 
@@ -94,7 +209,7 @@ def _harness_version() -> dict:
 
 
 def write_failure_repro(out: Path, result: RunResult, check: CheckResult, impl_config: dict) -> Path | None:
-    if check.failure is None or not check.failure.steps:
+    if check.failure is None or not check.failure.operations:
         return None
     repro_dir = out / "repros"
     repro_dir.mkdir(exist_ok=True)

@@ -20,14 +20,21 @@ from conformance.harness.ops import Op, Probe, Submit, op_from_dict
 from conformance.model import ModelConfig
 
 SCHEMA = "hybrid-cache-conformance/repro"
-VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)  # v1 lacked title/upstream/harness; it replays the same way
+VERSION = 3
+# v1 lacked title/upstream/harness; v1 and v2 name the operations "steps" (v3: "operations").
+# Every version replays the same way.
+SUPPORTED_VERSIONS = (1, 2, 3)
+
+
+def operations_key(version: int) -> str:
+    """Where a file of this version keeps its operations."""
+    return "operations" if version >= 3 else "steps"
 
 
 @dataclass
 class Repro:
     path: str
-    steps: list[Op]
+    operations: list[Op]
     model: ModelConfig
     impl_config: ImplConfig
     impl: str  # what --impl said when the failure was found (reference, vllm, module:Class)
@@ -41,6 +48,7 @@ class Repro:
     title: str = ""
     upstream: list[str] = field(default_factory=list)
     doc: dict = field(default_factory=dict)
+    version: int = VERSION  # the file's schema_version (its operations' key: operations_key)
 
 
 def load(path: str | Path) -> Repro:
@@ -85,7 +93,11 @@ def parse(doc, path: str = "<repro>") -> Repro:
 
     model = _parse_model(_need(doc, "model", dict, "an object of model settings", optional=True, default={}))
     impl_config = _parse_impl_config(_need(doc, "impl_config", dict, "an object", optional=True, default={}))
-    steps = _parse_steps(doc.get("steps"), model.vocab_size)
+    key = operations_key(version)
+    if key == "operations" and "steps" in doc and "operations" not in doc:
+        raise ReproFormatError(f"operations: missing (a version {version} file names them 'operations'; 'steps' "
+                               f"is the name of versions 1 and 2)")
+    operations = _parse_operations(doc.get(key), model.vocab_size, key)
 
     mutant = _need(doc, "mutant", str, "a mutant name or null", optional=True)
     faults = _need(doc, "faults", list, "a list of fault names", optional=True, default=[])
@@ -101,7 +113,7 @@ def parse(doc, path: str = "<repro>") -> Repro:
         if key in failure and not isinstance(failure[key], str):
             raise ReproFormatError(f"failure.{key}: must be a string")
     return Repro(
-        path=path, steps=steps, model=model, impl_config=impl_config,
+        path=path, operations=operations, model=model, impl_config=impl_config,
         impl=_need(doc, "impl", str, "an implementation name", optional=True, default="") or "",
         implementation=_need(doc, "implementation", str, "a string", optional=True, default=""),
         implementation_version=str(doc.get("implementation_version", "")),
@@ -109,7 +121,7 @@ def parse(doc, path: str = "<repro>") -> Repro:
         check=_need(doc, "check", str, "a check id", optional=True, default=""),
         mutant=mutant, faults=list(faults), failure=failure,
         title=_need(doc, "title", str, "a string", optional=True, default=""),
-        upstream=list(upstream), doc=doc)
+        upstream=list(upstream), doc=doc, version=version)
 
 
 def _parse_model(data: dict) -> ModelConfig:
@@ -142,46 +154,44 @@ def _parse_impl_config(data: dict) -> ImplConfig:
     return ImplConfig(**{k: v for k, v in data.items() if v is not None})
 
 
-def _parse_steps(raw, vocab: int) -> list[Op]:
+def _parse_operations(raw, vocab: int, key: str = "operations") -> list[Op]:
     if not isinstance(raw, list) or not raw:
-        raise ReproFormatError("steps: must be a non-empty list of operations")
-    ops, seen = [], set()
+        raise ReproFormatError(f"{key}: must be a non-empty list of operations")
+    ops: list[Op] = []
+    seen = set()
     for i, d in enumerate(raw):
         try:
             op = op_from_dict(d)
         except ValueError as exc:
-            raise ReproFormatError(_at_step(i, d, str(exc))) from None
+            raise ReproFormatError(_at(key, i, d, str(exc))) from None
         if ops and is_disagg(op) != is_disagg(ops[0]):
-            raise ReproFormatError(f"steps[{i}].op: disaggregated operations (disagg-*) cannot mix with "
+            raise ReproFormatError(f"{key}[{i}].op: disaggregated operations (disagg-*) cannot mix with "
                                    f"single-worker ones")
-        if isinstance(op, DisaggSubmit):
+        if isinstance(op, (Submit, DisaggSubmit)):
             if op.request_id in seen:
-                raise ReproFormatError(f"steps[{i}].request_id: {op.request_id!r} is submitted twice")
+                raise ReproFormatError(f"{key}[{i}].request_id: {op.request_id!r} is submitted twice")
             seen.add(op.request_id)
         if isinstance(op, Submit):
-            if op.request_id in seen:
-                raise ReproFormatError(f"steps[{i}].request_id: {op.request_id!r} is submitted twice")
-            seen.add(op.request_id)
             bad = [t for t in op.prompt if t >= vocab]
             if bad:
-                raise ReproFormatError(f"steps[{i}].prompt: token {bad[0]} is outside the model's vocabulary "
+                raise ReproFormatError(f"{key}[{i}].prompt: token {bad[0]} is outside the model's vocabulary "
                                        f"of {vocab}")
             # ``continues`` is coverage bookkeeping only: a minimized sequence may
             # have dropped the earlier request, and the replay is still valid.
         if ops and isinstance(ops[-1], Probe):
-            raise ReproFormatError(f"steps[{i}]: the probe (steps[{i - 1}]) ends a session: it must be the last "
+            raise ReproFormatError(f"{key}[{i}]: the probe ({key}[{i - 1}]) ends a session: it must be the last "
                                    f"operation")
         ops.append(op)
     return ops
 
 
-def _at_step(i: int, d, message: str) -> str:
-    """op_from_dict names fields as ``submit.prompt``; a file reader wants ``steps[3].prompt``."""
+def _at(key: str, i: int, d, message: str) -> str:
+    """op_from_dict names fields as ``submit.prompt``; a file reader wants ``operations[3].prompt``."""
     name = d.get("op") if isinstance(d, dict) else None
     if name and message.startswith(f"{name}."):
-        return f"steps[{i}]." + message[len(name) + 1:]
+        return f"{key}[{i}]." + message[len(name) + 1:]
     if message.startswith("op:"):
-        return f"steps[{i}].op:" + message[3:]
+        return f"{key}[{i}].op:" + message[3:]
     if name and message.startswith(f"{name}:"):
-        return f"steps[{i}]:" + message[len(name) + 1:]
-    return f"steps[{i}]: {message}"
+        return f"{key}[{i}]:" + message[len(name) + 1:]
+    return f"{key}[{i}]: {message}"

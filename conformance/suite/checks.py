@@ -109,20 +109,23 @@ CHECKS: tuple[CheckSpec, ...] = (
 )
 
 MIXED = mixed()
+# Every check in a fixed order: a check's index here seeds it (conformance.suite.seeds),
+# and every profile lists a prefix of it, so that index is its position in the whole profile.
+CATALOGUE: tuple[CheckSpec, ...] = CHECKS + (MIXED,)
 
 
 @dataclass(frozen=True)
 class Profile:
     name: str
-    examples: int
-    steps: int
-    checks: tuple[CheckSpec, ...]
+    examples: int  # Hypothesis examples per check
+    hypothesis_steps: int  # Hypothesis steps (rule calls) per example; a rule applies one or more operations
+    checks: tuple[CheckSpec, ...]  # a prefix of CATALOGUE, so that a check's seed is its index there
 
 
 PROFILES = {
-    "quick": Profile("quick", examples=25, steps=12, checks=CHECKS),
-    "standard": Profile("standard", examples=60, steps=20, checks=CHECKS + (MIXED,)),
-    "nightly": Profile("nightly", examples=400, steps=40, checks=CHECKS + (MIXED,)),
+    "quick": Profile("quick", examples=25, hypothesis_steps=12, checks=CHECKS),
+    "standard": Profile("standard", examples=60, hypothesis_steps=20, checks=CATALOGUE),
+    "nightly": Profile("nightly", examples=400, hypothesis_steps=40, checks=CATALOGUE),
 }
 
 
@@ -134,19 +137,7 @@ def get_check(check_id: str) -> CheckSpec:
     base, options = parse_variant_id(check_id)
     if options:
         return variant(get_check(base), options)
-    for spec in CHECKS + (MIXED,):
+    for spec in CATALOGUE:
         if spec.id == check_id:
             return spec
-    raise KeyError(f"unknown check {check_id!r}; known: {', '.join(s.id for s in CHECKS + (MIXED,))}")
-
-
-def seed_index(profile: Profile, check_id: str, fallback: int) -> int:
-    """The index that seeds a check: its position in the whole profile (a
-    variant's is its check's), so that ``--check``, a shard, a worker and the
-    pytest plugin draw exactly the examples of the full run.  A check the
-    profile does not hold (``mixed`` under quick) is seeded after it: ``fallback``."""
-    from conformance.suite.config_matrix import parse_variant_id
-
-    ids = [s.id for s in profile.checks]
-    base = parse_variant_id(check_id)[0]
-    return ids.index(base) if base in ids else len(ids) + fallback
+    raise KeyError(f"unknown check {check_id!r}; known: {', '.join(s.id for s in CATALOGUE)}")

@@ -31,7 +31,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import get_state_machine_test
 
 from conformance.contract import ImplConfig
-from conformance.errors import ConformanceFailure, ImplementationError, ReproFormatError, UsageError
+from conformance.errors import ConformanceFailure, FailureKind, ImplementationError, ReproFormatError, UsageError
 from conformance.generate.disagg_machine import DisaggMachine, recorder_for_disagg
 from conformance.generate.machine import hypothesis_settings
 from conformance.harness.disagg import ops as dops
@@ -41,6 +41,9 @@ from conformance.harness.ops import op_from_dict, op_to_dict
 from conformance.harness.oracle import Oracle
 from conformance.judge.disagg import judged_disagg_session
 from conformance.results.records import CheckResult, Failure
+from conformance.results.repro import operations_key
+from conformance.suite.prepared import PlannedCheck, Resources, Run
+from conformance.suite.seeds import check_seed
 from conformance.suite.verdict import coverage_failure, run_machine
 
 
@@ -80,64 +83,72 @@ def replay_fails(dfactory, impl_config: ImplConfig, model, oracle, ops: list, ki
     return None, session
 
 
-def examples_per_pairing(opts, profile) -> int:
+def examples_per_pairing(run: Run) -> int:
     """Hypothesis examples per layout pairing: half of ``--examples``, else a sixth
     of the profile's (each example runs two workers, transfers and byte audits).
     Not fewer than 4 by default: Hypothesis's first examples are its simplest one
     (which already reaches every required situation, see the machine's rules)
     and a few nearly empty ones that cost nothing; the random ones come after."""
-    if opts.examples:
-        return max(1, -(-opts.examples // len(dops.PAIRINGS)))
-    return max(4, profile.examples // 6)
+    if run.examples_asked:
+        return max(1, -(-run.examples_asked // len(dops.PAIRINGS)))
+    return max(4, run.profile.examples // 6)
 
 
-def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, notify=lambda *a, **k: None):
-    dfactory = disagg_factory_of(factory)
+def run_disagg_check(run: Run, planned: PlannedCheck, res: Resources, notify=lambda *a, **k: None) -> CheckResult:
+    spec = planned.spec
+    model, oracle = res.model, res.oracle
+    dfactory = disagg_factory_of(run.factory)
     if dfactory is None:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            reason="the implementation has no disaggregated mode (no disagg_factory class "
                                   "attribute, no disagg_layouts())")
-    per_pairing = examples_per_pairing(opts, profile)
-    steps = opts.steps or profile.steps
+    per_pairing = examples_per_pairing(run)
+    impl_options = dict(run.impl_options)
     kind = transport_kind()
     recorder = recorder_for_disagg(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
-                                                                steps=r.steps, of=per_pairing * len(dops.PAIRINGS)))
+                                                                operations=r.steps,
+                                                                of=per_pairing * len(dops.PAIRINGS)))
     started = time.perf_counter()
     pool = WorkerPool(model.config, kind)
     status, failure, config = "passed", None, None
+    examples: int | None = 0
     try:
         for i, pairing in enumerate(sorted(dops.PAIRINGS)):
-            config = pairing_config(pairing, opts.impl_options)
+            config = pairing_config(pairing, impl_options)
 
             def machine(pairing=pairing):
                 return DisaggMachine(dfactory, model=model, oracle=oracle, pairing=pairing,
-                                     impl_options=opts.impl_options, transport=kind, workers=pool, recorder=recorder,
-                                     timeout=opts.timeout)
+                                     impl_options=impl_options, transport=kind, workers=pool, recorder=recorder,
+                                     timeout=run.timeout)
 
-            test = get_state_machine_test(machine, settings=hypothesis_settings(
-                per_pairing, steps, shrink=opts.shrink == "hypothesis"))
+            # A factory of machines: Hypothesis calls it as it would call the class.
+            test = get_state_machine_test(machine, settings=hypothesis_settings(  # type: ignore[arg-type]
+                per_pairing, run.hypothesis_steps, shrink=run.shrink == "hypothesis"))
             # one seed per check and pairing: the two pairings explore different draws
-            test = hypothesis_seed((opts.seed * 1000 + index) * len(dops.PAIRINGS) + i)(test)
-            status, failure = run_machine(test, recorder)
+            test = hypothesis_seed(check_seed(run.seed, planned.seed_index, i, len(dops.PAIRINGS)))(test)
+            outcome = run_machine(test, recorder)
+            status, failure = outcome.status, outcome.failure
+            examples = None if examples is None or outcome.examples is None else examples + outcome.examples
             if failure is not None:
                 failure.impl_config = asdict(config)
-                if failure.kind != "harness" and opts.shrink != "none" and failure.steps:
+                if failure.kind != FailureKind.HARNESS and run.shrink != "none" and failure.operations:
                     # "ops": instead of Hypothesis's shrinking; "hypothesis": after it, which
                     # leaves whole compound rules and idle steps behind (replays here are cheap:
                     # the pool's workers, no new peer process)
-                    _minimize(failure, dfactory, config, model, oracle, kind, pool, opts.timeout)
+                    _minimize(failure, dfactory, config, model, oracle, kind, pool, run.timeout)
             if failure is not None:
                 break
     finally:
         pool.close()
     if status == "passed":
-        failure = coverage_failure(spec, recorder)
+        failure = coverage_failure(spec, recorder, examples)
         status = "failed" if failure is not None else status
     name = " + ".join(dict.fromkeys(n for n, _ in pool.transports)) or kind
     why = "; ".join(dict.fromkeys(w for _, w in pool.transports))
     return CheckResult(id=spec.id, family=spec.family, status=status,
                        description=f"{spec.description} [transport: {name}]",
-                       examples=recorder.examples, steps=recorder.steps,
+                       examples=examples if examples is not None else recorder.examples,
+                       test_cases=recorder.examples, operations=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics={"transport": name, "transport_why": why,
                                                   "workers_built": pool.built, "peer_starts": pool.peer_starts},
@@ -145,19 +156,19 @@ def run_disagg_check(factory, spec, model, oracle, opts, profile, index: int, no
 
 
 def _minimize(failure: Failure, dfactory, config, model, oracle, kind, pool, timeout: float | None) -> None:
-    """Shorten ``failure.steps`` by replaying subsets (same failure kind) on the pool's workers."""
+    """Shorten ``failure.operations`` by replaying subsets (same failure kind) on the pool's workers."""
     from conformance.suite.minimize import minimize
 
     def still_fails(candidate) -> bool:
         exc, _ = replay_fails(dfactory, config, model, oracle, candidate, kind, pool, timeout)
         return exc is not None and exc.kind == failure.kind
 
-    ops = [op_from_dict(d) for d in failure.steps]
+    ops = [op_from_dict(d) for d in failure.operations]
     if not still_fails(ops):
         return  # not reproducible by replay: keep it as it ran
     best = minimize(ops, still_fails, budget_s=60.0)
     exc, session = replay_fails(dfactory, config, model, oracle, best, kind, pool, timeout)
-    failure.steps = [op_to_dict(o) for o in best]
+    failure.operations = [op_to_dict(o) for o in best]
     failure.message = str(exc)
     failure.events = session.history.tail()
 
@@ -168,18 +179,19 @@ def replay_disagg(repro, factory, model, outcome, timeout: float | None = 30.0, 
     dfactory = disagg_factory_of(factory)
     if dfactory is None:
         raise UsageError(f"{outcome.impl} has no disaggregated mode; this repro needs one")
-    if not all(dops.is_disagg(op) for op in repro.steps):
-        raise ReproFormatError("steps: disagg operations cannot mix with single-worker ones")
+    key = operations_key(repro.version)
+    if not all(dops.is_disagg(op) for op in repro.operations):
+        raise ReproFormatError(f"{key}: disagg operations cannot mix with single-worker ones")
     session: DisaggSession | None = None
     try:
         session = judged_disagg_session(dfactory, repro.impl_config, model, Oracle(model), transport_kind(),
                                         timeout=timeout)
         outcome.notes.append(f"transport: {session.transport_name} ({session.transport_why})")
-        for i, op in enumerate(repro.steps):
+        for i, op in enumerate(repro.operations):
             try:
                 session.apply(op)
             except ValueError as exc:  # the session refused the operation: the file is wrong, not the cache
-                raise ReproFormatError(f"steps[{i}]: {exc}") from None
+                raise ReproFormatError(f"{key}[{i}]: {exc}") from None
             outcome.applied = i + 1
     except (ConformanceFailure, ImplementationError) as exc:
         outcome.reproduced = True

@@ -1,47 +1,49 @@
-"""Executing one check: its state machine under Hypothesis, the verdict from
-what the checkers found and what the coverage reached, the failure minimized,
-and the reports written after it."""
+"""Executing one check of a prepared run: its state machine under Hypothesis,
+the verdict from what the checkers found and what the coverage reached, and
+the failure minimized."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, replace
-from pathlib import Path
+from typing import Any
 
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import get_state_machine_test
 
-from conformance.errors import ImplementationError
+from conformance.contract import ImplConfig
+from conformance.errors import FailureKind, ImplementationError
 from conformance.generate.machine import HybridCacheMachine, Recorder, hypothesis_settings
 from conformance.generate.spec import CheckSpec
 from conformance.harness.guard import guarded
-from conformance.harness.oracle import Oracle
 from conformance.judge.metrics import CacheMetrics
-from conformance.model import TinyHybrid
-from conformance.results import report
 from conformance.results.records import CheckResult, Failure, RunResult
 from conformance.suite.config_matrix import parse_variant_id
-from conformance.suite.options import RunOptions
+from conformance.suite.options import ProgressFn
+from conformance.suite.prepared import PlannedCheck, PoolSizes, Resources, Run
+from conformance.suite.seeds import check_seed
 from conformance.suite.verdict import coverage_failure, run_machine
 
 
-def record_check(out: Path | None, result: RunResult, res: CheckResult) -> None:
-    """Write the repro and the reports after each check: a run killed later keeps this one."""
-    if out is not None:
-        if res.failure is not None:  # run_check records the configuration it failed under
-            report.write_failure_repro(out, result, res, res.failure.impl_config)
-        report.write_all(out, result)
+def _quiet(event: str, **info: Any) -> None:
+    pass
 
 
-def check_impl_config(spec: CheckSpec, opts: RunOptions, tier_option=None, spec_option=None):
+def check_impl_config(spec: CheckSpec, impl_options: Mapping[str, Any], pools: PoolSizes | None = None,
+                      tier_option: tuple[str, Any] | None = None,
+                      spec_option: tuple[str, Any] | None = None) -> ImplConfig:
+    """The configuration a check builds the implementation with: the check's
+    own, the run's pool sizes over it, the run's options over its options."""
     # A check's own setting of the tier option (a matrix variant choosing the
     # connector's mode) wins over the plain "on"; so does a variant's number
     # of speculative tokens over the implementation's own.
     tier = dict([tier_option]) if spec.tier and tier_option and tier_option[0] not in spec.options else {}
     drafts = dict([spec_option]) if spec.spec and spec_option and spec_option[0] not in spec.options else {}
-    return spec.impl_config(block_size=opts.block_size, num_kv_blocks=opts.num_kv_blocks,
-                            num_state_slots=opts.num_state_slots,
-                            options={**spec.options, **tier, **drafts, **opts.impl_options})
+    pools = pools or PoolSizes()
+    return spec.impl_config(block_size=pools.block_size, num_kv_blocks=pools.num_kv_blocks,
+                            num_state_slots=pools.num_state_slots,
+                            options={**spec.options, **tier, **drafts, **impl_options})
 
 
 class _Hung(Exception):
@@ -110,31 +112,30 @@ def retention_note(configured: dict, declared) -> str | None:
     return f"the check configured {want}; the implementation declares {got} and was tested against its own declaration"
 
 
-def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts: RunOptions, profile,
-              index: int, env=None, notify=lambda *a, **k: None) -> CheckResult:
+def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressFn = _quiet) -> CheckResult:
+    """Run one planned check of ``run`` with this process's resources."""
+    spec = planned.spec
     if spec.disagg:
         from conformance.suite.disagg import run_disagg_check
 
-        return run_disagg_check(factory, spec, model, oracle, opts, profile, index, notify)
-    examples = opts.examples or profile.examples
-    steps = opts.steps or profile.steps
-    tier_option = getattr(factory, "tier_option", None)
+        return run_disagg_check(run, planned, res, notify)
+    factory, tier_option = run.factory, run.tier_option
     if spec.tier and not tier_option:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no second tier (no tier_option class attribute)")
-    spec_option = getattr(factory, "spec_option", None)
+    spec_option = run.spec_option
     if spec.spec and not spec_option:
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no speculative decoding (no spec_option class attribute)")
-    asked = check_impl_config(spec, opts, tier_option, spec_option)
+    asked = check_impl_config(spec, run.impl_options, run.pools, tier_option, spec_option)
     if spec.observe and isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
         return _no_retention(spec, asked)  # known without building it (its options may not be this check's)
     try:
         # One instance answers both questions when it keeps the block size asked
         # for (building an engine twice costs seconds); a hang ends the check here.
-        built = _ask("building the implementation", factory, asked, timeout=opts.timeout)
+        built = _ask("building the implementation", factory, asked, timeout=run.timeout)
     except _Hung as hung:
         return _abandoned(spec, hung.error)
     except ImplementationError:
@@ -142,9 +143,9 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     notes: list[str] = []
     declared = None if built is not None else _UNKNOWN
     try:
-        impl_config = real_block_size(factory, asked, opts.timeout, built) if built is not None else asked
+        impl_config = real_block_size(factory, asked, run.timeout, built) if built is not None else asked
         if (spec.observe or spec.observe_when_declared) and built is not None:
-            declared = _declared_retention(factory, impl_config, opts.timeout,
+            declared = _declared_retention(factory, impl_config, run.timeout,
                                            built if impl_config is asked else None)
     except _Hung as hung:
         return _abandoned(spec, hung.error)
@@ -166,8 +167,9 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
     if spec.observe and declared is None:
         return _no_retention(spec, impl_config)
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
-                                                    steps=r.steps, of=examples))
+                                                    operations=r.steps, of=run.examples))
     cache_metrics = CacheMetrics()
+    env = res.faults
 
     def attach(session):
         session.add_checker(cache_metrics)
@@ -175,26 +177,30 @@ def run_check(factory, spec: CheckSpec, model: TinyHybrid, oracle: Oracle, opts:
             env.attach(session)
 
     def machine():
-        return HybridCacheMachine(factory, spec, model=model, oracle=oracle, impl_config=impl_config,
-                                  timeout=opts.timeout, recorder=recorder, attach=attach)
+        return HybridCacheMachine(factory, spec, model=res.model, oracle=res.oracle, impl_config=impl_config,
+                                  timeout=run.timeout, recorder=recorder, attach=attach)
 
-    test = get_state_machine_test(machine, settings=hypothesis_settings(
-        examples, steps, shrink=opts.shrink in ("hypothesis", "hypothesis+ops")))
-    test = hypothesis_seed(opts.seed * 1000 + index)(test)
+    # A factory of machines: Hypothesis calls it as it would call the class.
+    test = get_state_machine_test(machine, settings=hypothesis_settings(  # type: ignore[arg-type]
+        run.examples, run.hypothesis_steps, shrink=run.shrink in ("hypothesis", "hypothesis+ops")))
+    test = hypothesis_seed(check_seed(run.seed, planned.seed_index))(test)
     started = time.perf_counter()
-    status, failure = run_machine(test, recorder)
+    outcome = run_machine(test, recorder)
+    status, failure = outcome.status, outcome.failure
     # A hang is not replayed: each replay would wait out the timeout again
     # (the repro keeps the example's operations as they ran).
-    if failure is not None and failure.kind not in ("harness", "timeout") \
-            and opts.shrink in ("ops", "hypothesis+ops") and failure.steps:
-        minimize_failure(failure, factory, spec, impl_config, model, oracle, opts, env)
+    if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT) \
+            and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
+        minimize_failure(failure, factory, spec, impl_config, res, run.timeout)
     if status == "passed":
-        failure = coverage_failure(spec, recorder, why, faulted=env is not None)
+        failure = coverage_failure(spec, recorder, outcome.examples, why, faulted=env is not None)
         status = "failed" if failure is not None else status
     if failure is not None:
         failure.impl_config = asdict(impl_config)
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
-                       options=parse_variant_id(spec.id)[1], examples=recorder.examples, steps=recorder.steps,
+                       options=parse_variant_id(spec.id)[1],
+                       examples=outcome.examples if outcome.examples is not None else recorder.examples,
+                       test_cases=recorder.examples, operations=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
 
@@ -212,34 +218,41 @@ def _abandoned(spec: CheckSpec, error: ImplementationError) -> CheckResult:
                        options=parse_variant_id(spec.id)[1], failure=Failure(kind=error.kind, message=str(error)))
 
 
-def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, model, oracle, opts: RunOptions,
-                     env=None) -> None:
-    """Shorten ``failure.steps`` by replaying subsets (same failure kind), in place."""
+def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, res: Resources,
+                     timeout: float | None) -> None:
+    """Shorten ``failure.operations`` by replaying subsets (same failure kind), in place."""
     from conformance.harness.ops import op_from_dict, op_to_dict
     from conformance.suite.minimize import minimize, replay_fails
 
+    env = res.faults
+
     def outcome(ops):
-        return replay_fails(factory, impl_config, model, oracle, ops, env.attach if env is not None else None,
-                            timeout=opts.timeout, families=spec.observers)
+        return replay_fails(factory, impl_config, res.model, res.oracle, ops,
+                            env.attach if env is not None else None, timeout=timeout, families=spec.observers)
 
     def still_fails(ops) -> bool:
         exc, _ = outcome(ops)
         return exc is not None and exc.kind == failure.kind
 
-    ops = [op_from_dict(d) for d in failure.steps]
+    ops = [op_from_dict(d) for d in failure.operations]
     if not still_fails(ops):
         return  # not reproducible by replay (it depended on state across examples): keep it as it is
     best = minimize(ops, still_fails)
     exc, session = outcome(best)
-    failure.steps = [op_to_dict(op) for op in best]
+    failure.operations = [op_to_dict(op) for op in best]
     failure.message = str(exc)
     failure.events = session.history.tail()
+
+
+FAULTS_EXERCISED = "faults-exercised"
 
 
 def check_faults_exercised(result: RunResult) -> None:
     """A fault that never fired proves nothing, nor one whose effect nothing
     consumed (a corrupted offload never loaded, a corrupted load never read
-    nor rejected): the run fails, as a check of its own."""
+    nor rejected): the run fails, as a check of its own.  When every fault
+    fired and was consumed, the check passes and says so per fault: a green
+    ``--faults`` run shows that its faults were there."""
     silent, unconsumed = [], []
     for name, info in result.faults.items():
         # recomputed: workers' reports are merged by summing
@@ -248,16 +261,21 @@ def check_faults_exercised(result: RunResult) -> None:
             silent.append(name)
         elif not info["exercised"]:
             unconsumed.append(name)
-    if silent or unconsumed:
-        parts = []
-        if silent:
-            hint = result.faults[silent[0]].get("hint", "")
-            parts.append(f"faults never fired: {', '.join(silent)}" + (f" ({hint})" if hint else ""))
-        if unconsumed:
-            parts.append("faults fired but their effect was never consumed (no faulty load was read or rejected "
-                         "by a computed step, no failed offload reported): "
-                         + ", ".join(f"{n} (fired {result.faults[n]['fired']} times)" for n in unconsumed))
-        result.checks.append(CheckResult(
-            id="faults-exercised", family="fault-injection", status="failed",
-            description="every injected environment fault fired and its effect was consumed",
-            failure=Failure(kind="coverage", message="; ".join(parts))))
+    description = "every injected environment fault fired and its effect was consumed"
+    if not silent and not unconsumed:
+        notes = [f"{n} fired {info.get('fired')} times and was consumed {info.get('consumed')} times"
+                 for n, info in result.faults.items()]
+        result.checks.append(CheckResult(id=FAULTS_EXERCISED, family="fault-injection", status="passed",
+                                         description=description, notes=notes))
+        return
+    parts = []
+    if silent:
+        hint = result.faults[silent[0]].get("hint", "")
+        parts.append(f"faults never fired: {', '.join(silent)}" + (f" ({hint})" if hint else ""))
+    if unconsumed:
+        parts.append("faults fired but their effect was never consumed (no faulty load was read or rejected "
+                     "by a computed step, no failed offload reported): "
+                     + ", ".join(f"{n} (fired {result.faults[n]['fired']} times)" for n in unconsumed))
+    result.checks.append(CheckResult(id=FAULTS_EXERCISED, family="fault-injection", status="failed",
+                                     description=description,
+                                     failure=Failure(kind=FailureKind.COVERAGE, message="; ".join(parts))))

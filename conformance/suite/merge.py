@@ -9,33 +9,18 @@ from __future__ import annotations
 
 import shutil
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 from conformance.errors import CompareInputError
 from conformance.results.compare import load_results
-from conformance.results.records import CheckResult, Failure, RunResult
-from conformance.suite.checks import CHECKS, MIXED
+from conformance.results.records import RunResult, result_from_dict
+from conformance.suite.checks import CATALOGUE
 
-_ORDER = {spec.id: i for i, spec in enumerate(CHECKS + (MIXED,))}
-
-
-def result_from_dict(d: dict) -> RunResult:
-    """results.json back into a RunResult (unknown keys, e.g. from a newer harness, are ignored)."""
-    known = {f.name for f in fields(RunResult)}
-    run = RunResult(**{k: v for k, v in d.items() if k in known and k != "checks"})
-    ck = {f.name for f in fields(CheckResult)}
-    fk = {f.name for f in fields(Failure)}
-    for c in d.get("checks", []):
-        c = {k: v for k, v in c.items() if k in ck}
-        if c.get("failure"):
-            c["failure"] = Failure(**{k: v for k, v in c["failure"].items() if k in fk})
-        run.checks.append(CheckResult(**c))
-    return run
+_ORDER = {spec.id: i for i, spec in enumerate(CATALOGUE)}
 
 
 def merge(out: Path, dirs: list[Path]) -> RunResult:
-    from conformance.results import report
+    from conformance.results.report import ReportDir
 
     docs = [load_results(d) for d in dirs]
     if not docs:
@@ -63,6 +48,7 @@ def merge(out: Path, dirs: list[Path]) -> RunResult:
                 c.failure.repro = str(dest)
             merged.checks.append(c)
         merged.interrupted = merged.interrupted or part.interrupted
+        merged.not_run += part.not_run
         merged.finished = max(filter(None, [merged.finished, part.finished]), default=None)
         for name, info in part.faults.items():
             into = merged.faults.setdefault(name, {})
@@ -75,7 +61,8 @@ def merge(out: Path, dirs: list[Path]) -> RunResult:
             shutil.copyfile(png, out / png.name)
     merged.checks.sort(key=lambda c: _ORDER.get(c.id, len(_ORDER)))
     merged.metrics = {"merged_from": [str(p) for p in dirs]}
-    report.write_all(out, merged)
+    with ReportDir(out) as reports:
+        reports.write(merged)
     return merged
 
 

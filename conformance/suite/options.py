@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,9 +30,17 @@ class ProgressFn(Protocol):
 SHRINKS = ("ops", "hypothesis+ops", "hypothesis", "none")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunOptions:
-    impl: str = "reference"
+    """What the user asked for (the CLI's flags, the plugin's options, the
+    Python API's arguments), before anything is resolved.  Never written
+    into: :func:`conformance.suite.prepare.prepare_run` turns it into a
+    frozen :class:`~conformance.suite.prepared.Run`, and every front door
+    (CLI, pytest plugin, ``machine_test``, a ``--workers`` process) runs that."""
+
+    # reference, vllm, module:Class -- or the implementation object itself (a
+    # class or factory: the plugin's fixture form and machine_test pass one)
+    impl: Any = "reference"
     profile: str = "quick"
     seed: int = 0
     report_dir: Path | None = None
@@ -39,10 +48,12 @@ class RunOptions:
     mutant: str | None = None
     faults: tuple[str, ...] = ()
     timeout: float = 30.0  # per implementation call
-    examples: int | None = None  # override the profile
+    examples: int | None = None  # Hypothesis examples per check (--examples); None: the profile's
+    # Hypothesis steps per example (--steps: rule calls, each of which applies
+    # one or more operations); None: the profile's
     steps: int | None = None
     model_config: ModelConfig | None = None
-    impl_options: dict = field(default_factory=dict)
+    impl_options: Mapping[str, Any] = field(default_factory=dict)
     block_size: int | None = None
     num_kv_blocks: int | None = None  # override every check's pool sizes (--kv-blocks, --state-slots)
     num_state_slots: int | None = None

@@ -1,10 +1,12 @@
 """``--workers N``: the checks of one run in N processes on one machine.
 
 Each worker is a fresh interpreter (multiprocessing "spawn": no forked torch
-or Hypothesis state, and it behaves the same on Linux and macOS) that builds
-its own implementation factory, model and oracle once, then runs whole checks.
-The parent merges results as they arrive and writes reports after each, as the
-serial loop does, so an interrupted parallel run keeps what finished."""
+or Hypothesis state, and it behaves the same on Linux and macOS) that
+prepares the same :class:`~conformance.suite.prepared.Run` from the same
+options (the same plan, the same seeds), builds its own model and oracle
+once, then runs whole checks by their position in the plan.  The parent
+merges results as they arrive and writes reports after each, as the serial
+loop does, so an interrupted parallel run keeps what finished."""
 
 from __future__ import annotations
 
@@ -16,33 +18,30 @@ from dataclasses import dataclass, field, replace
 _WORKER: dict = {}
 
 
-def _init(opts) -> None:
+def _init(options) -> None:
     # Ctrl-C reaches the whole process group; only the parent decides what to
     # keep, so workers ignore SIGINT and are terminated by the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import torch
+    from conformance.suite.prepare import prepare_run
+    from conformance.suite.prepared import resources_for
 
-    torch.set_num_threads(1)  # as run() does: N workers on N cores, no intra-op threads fighting them
-    from conformance.harness.oracle import Oracle
-    from conformance.model import TinyHybrid
-    from conformance.suite.prepare import prepare
-
-    factory, _name, _specs, model_config, env = prepare(opts)
-    model = TinyHybrid(model_config)
-    _WORKER.update(opts=opts, factory=factory, model=model, oracle=Oracle(model), env=env)
+    run = prepare_run(options)
+    _WORKER.update(run=run, res=resources_for(run))
 
 
-def _run_one(job: tuple[int, int, str]):
-    from conformance.suite.checks import PROFILES, get_check
+def _run_one(position: int):
     from conformance.suite.execute import run_check
 
-    position, index, check_id = job
-    w = _WORKER
-    opts = w["opts"]
-    res = run_check(w["factory"], get_check(check_id), w["model"], w["oracle"], opts, PROFILES[opts.profile],
-                    index, w["env"])
-    faults = w["env"].report() if w["env"] is not None else {}
-    return position, res, os.getpid(), w["oracle"].reference_runs, faults
+    run, res = _WORKER["run"], _WORKER["res"]
+    check = run_check(run, run.checks[position], res)
+    faults = res.faults.report() if res.faults is not None else {}
+    return position, check, os.getpid(), res.oracle.reference_runs, faults
+
+
+def worker_options(run):
+    """The options a worker prepares the run from: the parent's, but nothing
+    that does not pickle (the progress callback) and no report writing."""
+    return replace(run.options, progress=None, write_reports=False, report_dir=None, workers=1)
 
 
 @dataclass
@@ -68,29 +67,26 @@ class ParallelRun:
         return merged
 
 
-def run_parallel(opts, planned: list, result, out, notify) -> ParallelRun:
-    from conformance.suite.execute import record_check
-
-    n = min(opts.workers, len(planned))
+def run_parallel(run, result, reports, notify) -> ParallelRun:
+    n = min(run.workers, len(run.checks))
     state = ParallelRun(workers=n)
-    # What a worker needs must pickle: no progress callback, no report writing there.
-    wopts = replace(opts, progress=None, write_reports=False, report_dir=None, workers=1, shard=None)
     done: dict[int, object] = {}
     ctx = multiprocessing.get_context("spawn")
-    for k, (_, spec) in enumerate(planned):
-        notify("check-start", check=spec.id, index=k, total=len(planned))
-    with ctx.Pool(n, initializer=_init, initargs=(wopts,)) as pool:
+    for planned in run.checks:
+        notify("check-start", check=planned.id, index=planned.position, total=len(run.checks))
+    with ctx.Pool(n, initializer=_init, initargs=(worker_options(run),)) as pool:
         # By position: the variants of one check share its index (its seed).
-        jobs = [(k, index, spec.id) for k, (index, spec) in enumerate(planned)]
         # chunksize 1: checks differ a lot in cost, so hand them out one at a time
-        for position, res, pid, refs, faults in pool.imap_unordered(_run_one, jobs, chunksize=1):
-            done[position] = res
+        for position, check, pid, refs, faults in pool.imap_unordered(_run_one, range(len(run.checks)),
+                                                                       chunksize=1):
+            done[position] = check
             state.reference_runs[pid] = refs
             if faults:
                 state.faults[pid] = faults
-            result.checks[:] = [done[i] for i in sorted(done)]  # keep the profile's order
+            result.checks[:] = [done[i] for i in sorted(done)]  # keep the plan's order
             if state.faults:
                 result.faults = state.merged_faults()
-            record_check(out, result, res)
-            notify("check-end", check=res.id, result=res)
+            if reports is not None:
+                reports.check_finished(result, check)
+            notify("check-end", check=check.id, result=check)
     return state

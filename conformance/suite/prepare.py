@@ -1,72 +1,154 @@
-"""Everything that can be wrong with a run's input, resolved before anything
-runs, so that usage errors surface at once (exit code 2)."""
+"""The one function that makes a :class:`~conformance.suite.prepared.Run`
+from the user's options.  Everything that can be wrong with the input is
+found here, before anything runs, so that usage errors surface at once
+(exit code 2, one line) and no report directory is touched for them."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 from conformance.adapters import resolve
 from conformance.errors import UsageError
-from conformance.suite.checks import PROFILES, get_check
-from conformance.suite.options import SHRINKS, RunOptions, default_model_config
+from conformance.suite.checks import CATALOGUE, PROFILES, get_check
+from conformance.suite.config_matrix import expand
+from conformance.suite.options import SHRINKS, RunOptions, default_model_config, default_report_dir
+from conformance.suite.prepared import PlannedCheck, PoolSizes, Run
+from conformance.suite.seeds import seed_index
 
 
-def prepare(opts: RunOptions):
-    """Resolve everything that can be wrong with the input before running
-    anything, so that usage errors surface at once (exit code 2)."""
+def prepare_run(opts: RunOptions) -> Run:
+    """Resolve the implementation, the mutant, the faults, the checks and their
+    variants, seeds and shard, and the report directory; raise UsageError for
+    anything wrong with them."""
     if opts.profile not in PROFILES:
         raise UsageError(f"--profile {opts.profile!r}: expected one of {', '.join(PROFILES)}")
+    profile = PROFILES[opts.profile]
     _check_numbers(opts)
-    for flag, value in (("--kv-blocks", opts.num_kv_blocks), ("--state-slots", opts.num_state_slots)):
-        # The generator budgets at least 2 of each per request (HybridCacheMachine.fits).
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
-            raise UsageError(f"{flag} {value}: must be an integer of at least 2 (the generator budgets "
-                             f"ceil((prompt + new tokens) / B) + 1 blocks and 2 slots per request)")
-    opts.impl_options = dict(opts.impl_options)  # defaults set below must not leak into the caller's dict
-    factory = resolve(opts.impl)
+    if opts.report_dir is not None and opts.write_reports:
+        check_report_dir(Path(opts.report_dir))
+    impl, factory = _resolve_impl(opts.impl)
     try:
-        specs = [get_check(c) for c in opts.checks] if opts.checks else list(PROFILES[opts.profile].checks)
+        specs = [get_check(c) for c in opts.checks] if opts.checks else list(profile.checks)
     except KeyError as exc:
         raise UsageError(str(exc.args[0])) from None
-    name = getattr(factory, "name", opts.impl)
+    name = str(getattr(factory, "name", impl))
     # How this implementation turns its second tier on, if it has one (an
     # optional class attribute: ("option", value)).
     tier_option = getattr(factory, "tier_option", None)
+    impl_options = dict(opts.impl_options)  # the defaults set below never leak into the caller's dict
     if opts.mutant:
-        from fault_injection.catalog import get_mutant
-
-        try:
-            mutant = get_mutant(opts.mutant)
-        except KeyError as exc:
-            raise UsageError(f"--mutant: {exc.args[0]}") from None
-        _check_mutant_target(mutant, opts.impl, factory)
-        try:
-            factory = mutant.wrap(factory)
-        except TypeError as exc:
-            raise UsageError(f"--mutant {opts.mutant}: {exc}") from None
-        for key, value in mutant.options:  # the configuration the buggy code path needs
-            opts.impl_options.setdefault(key, value)
-    env = None
+        factory = _apply_mutant(opts.mutant, impl, factory, impl_options)
     if opts.faults:
-        from fault_injection.environment import build_faults
-
-        try:
-            env = build_faults(opts.faults, opts.seed)
-        except KeyError as exc:
-            raise UsageError(f"--faults: {exc.args[0]}") from None
+        _check_faults(opts.faults, opts.seed)
         if tier_option:
             # Transfer faults need transfers, which implementations issue only
             # through their second tier: injecting faults turns it on.
-            opts.impl_options.setdefault(*tier_option)
-    _check_impl_options(factory, specs, opts, tier_option)
+            impl_options.setdefault(*tier_option)
+    # How it turns speculative decoding on (an optional class attribute, of the
+    # implementation a mutant wraps too): the spec family runs with it.
+    spec_option = getattr(factory, "spec_option", None)
+    pools = PoolSizes(opts.block_size, opts.num_kv_blocks, opts.num_state_slots)
+    _check_impl_options(factory, specs, impl_options, pools, tier_option, spec_option)
+    planned = plan_checks(specs, factory, impl_options, opts.matrix)
+    if opts.shard:
+        planned = select_shard(planned, *opts.shard)
+        if not planned:  # a green run of nothing would hide a miscounted CI matrix
+            raise UsageError(f"--shard {opts.shard[0]}/{opts.shard[1]}: this shard holds no check (the run "
+                             f"selects {len(specs)}); use at most {len(specs)} shards")
     # One-time set-up an implementation may need before its first build (an
     # optional ``warm_up()`` class method), kept out of the first example's
     # per-call timeout: on a loaded machine it is a timeout, then a flaky pass.
     warm_up = getattr(factory, "warm_up", None)
     if callable(warm_up):
         warm_up()
-    model_config = opts.model_config or default_model_config()
-    return factory, name, specs, model_config, env
+    report_dir = None
+    if opts.write_reports:
+        # Reserved last: a usage error above leaves no directory behind.
+        report_dir = Path(opts.report_dir) if opts.report_dir is not None else \
+            default_report_dir(impl, opts.seed, opts.mutant, opts.faults)
+    return Run(impl=impl, factory=factory, name=name, version=str(getattr(factory, "version", "unknown")),
+               profile=profile, seed=opts.seed,
+               checks=tuple(PlannedCheck(k, index, spec) for k, (index, spec) in enumerate(planned)),
+               selected=len(specs), impl_options=impl_options, tier_option=tier_option, spec_option=spec_option,
+               mutant=opts.mutant,
+               faults=tuple(opts.faults), model_config=opts.model_config or default_model_config(),
+               examples=opts.examples or profile.examples, examples_asked=opts.examples,
+               hypothesis_steps=opts.steps or profile.hypothesis_steps, timeout=opts.timeout, shrink=opts.shrink,
+               pools=pools,
+               report_dir=report_dir, workers=opts.workers, shard=opts.shard, stop_at_failure=opts.stop_at_failure,
+               matrix=opts.matrix, options=replace(opts, impl_options=dict(opts.impl_options)))
+
+
+def plan_checks(specs, factory, impl_options, matrix: bool = True) -> list:
+    """``[(seed index, spec)]`` of ``specs``, each expanded under the
+    implementation's configuration matrix (variants keep their check's index)."""
+    planned = [(seed_index(CATALOGUE, spec.id), spec) for spec in specs]
+    return expand(planned, factory, dict(impl_options)) if matrix else planned
+
+
+def planned_check(run: Run, check_id: str) -> PlannedCheck:
+    """The entry of ``run``'s plan for ``check_id``; a check (or variant) the
+    plan does not hold is planned after it, with the seed it has everywhere."""
+    for p in run.checks:
+        if p.id == check_id:
+            return p
+    try:
+        spec = get_check(check_id)
+    except KeyError as exc:
+        raise UsageError(str(exc.args[0])) from None
+    return PlannedCheck(len(run.checks), seed_index(CATALOGUE, check_id), spec)
+
+
+def select_shard(planned: list, i: int, n: int) -> list:
+    """Round-robin share ``i`` of ``n`` (1-based) of ``[(index, spec)]``:
+    every check lands in exactly one shard, and neighbouring checks (which
+    tend to cost alike) spread over the runners."""
+    if not (isinstance(i, int) and isinstance(n, int) and 1 <= i <= n):
+        raise UsageError(f"--shard {i}/{n}: expected i/n with 1 <= i <= n")
+    return [item for k, item in enumerate(planned) if k % n == i - 1]
+
+
+def impl_label(factory) -> str:
+    """``module:Class`` for an implementation given as an object (replay needs it as ``--impl``)."""
+    return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', factory)}"
+
+
+def _resolve_impl(impl) -> tuple[str, Callable[..., Any]]:
+    if isinstance(impl, str):
+        return impl, resolve(impl)
+    if not callable(impl):
+        raise UsageError(f"impl {impl!r}: expected a name (reference, vllm, module:Class) or a factory")
+    return impl_label(impl), impl
+
+
+def _apply_mutant(name: str, impl: str, factory, impl_options: dict):
+    from fault_injection.catalog import get_mutant
+
+    try:
+        mutant = get_mutant(name)
+    except KeyError as exc:
+        raise UsageError(f"--mutant: {exc.args[0]}") from None
+    _check_mutant_target(mutant, impl, factory)
+    try:
+        wrapped = mutant.wrap(factory)
+    except TypeError as exc:
+        raise UsageError(f"--mutant {name}: {exc}") from None
+    for key, value in mutant.options:  # the configuration the buggy code path needs
+        impl_options.setdefault(key, value)
+    return wrapped
+
+
+def _check_faults(names: tuple[str, ...], seed: int) -> None:
+    from fault_injection.environment import build_faults
+
+    try:
+        build_faults(tuple(names), seed)
+    except KeyError as exc:
+        raise UsageError(f"--faults: {exc.args[0]}") from None
 
 
 def _check_numbers(opts: RunOptions) -> None:
@@ -74,11 +156,43 @@ def _check_numbers(opts: RunOptions) -> None:
                         ("--workers", opts.workers)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise UsageError(f"{flag} {value!r}: must be an integer of at least 1")
+    for flag, value in (("--kv-blocks", opts.num_kv_blocks), ("--state-slots", opts.num_state_slots)):
+        # The generator budgets at least 2 of each per request (HybridCacheMachine.fits).
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
+            raise UsageError(f"{flag} {value}: must be an integer of at least 2 (the generator budgets "
+                             f"ceil((prompt + new tokens) / B) + 1 blocks and 2 slots per request)")
     if opts.shrink not in SHRINKS:
         raise UsageError(f"--shrink {opts.shrink!r}: expected one of {', '.join(SHRINKS)}")
     t = opts.timeout
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
         raise UsageError(f"--timeout {t!r}: must be a finite number of seconds above 0")
+
+
+def check_report_dir(path: Path) -> None:
+    """A report directory that cannot be one is a usage error now, not a
+    traceback (or a lost result) after the first check: a regular file, a
+    path under a file, a directory this user cannot write."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--report-dir {path}: is a file, not a directory")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise UsageError(f"--report-dir {path}: {existing} is a file, so no directory can be made under it")
+    if existing.exists():
+        import tempfile
+
+        try:  # a real write, not a permission bit: root, read-only mounts and /proc answer differently
+            fd, probe = tempfile.mkstemp(dir=existing, prefix=".hcc-write-test-")
+        except OSError as exc:
+            what = "is not writable" if existing == path else f"cannot be made: {existing} is not writable"
+            raise UsageError(f"--report-dir {path}: {what} ({exc.strerror or exc})") from None
+        import os
+
+        os.close(fd)
+        os.unlink(probe)
 
 
 def _check_mutant_target(mutant, impl: str, factory) -> None:
@@ -103,7 +217,7 @@ def _check_mutant_target(mutant, impl: str, factory) -> None:
                          f"--impl {impl}")
 
 
-def _check_impl_options(factory, specs, opts: RunOptions, tier_option) -> None:
+def _check_impl_options(factory, specs, impl_options: dict, pools: PoolSizes, tier_option, spec_option) -> None:
     """Options the implementation rejects (an interval that is not a multiple
     of the block size...) are the user's mistake: a usage error now, not an
     "error" verdict of every check.  An implementation says so through an
@@ -114,10 +228,8 @@ def _check_impl_options(factory, specs, opts: RunOptions, tier_option) -> None:
     from conformance.suite.execute import check_impl_config
 
     for spec in specs:
-        config = check_impl_config(spec, opts, tier_option, getattr(factory, "spec_option", None))
+        config = check_impl_config(spec, impl_options, pools, tier_option, spec_option)
         try:
             validate(config)
         except ValueError as exc:
             raise UsageError(f"--option {config.options}: {exc} (check {spec.id})") from None
-
-

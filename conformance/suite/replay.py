@@ -22,7 +22,7 @@ from conformance.harness.oracle import Oracle
 from conformance.harness.session import make_session
 from conformance.judge import standard_checkers
 from conformance.model import TinyHybrid
-from conformance.results.repro import Repro
+from conformance.results.repro import Repro, operations_key
 from conformance.suite.checks import get_check
 
 
@@ -62,7 +62,7 @@ def choose_mutant(repro: Repro, impl: str, cli_impl: str | None,
                   cli_mutant: str | None) -> tuple[str | None, list[str]]:
     """The file's mutant was injected into the file's implementation: it applies
     unless the user names another mutant, ``none``, or another implementation."""
-    notes = []
+    notes: list[str] = []
     if cli_mutant is not None:
         return (None if cli_mutant == "none" else cli_mutant), notes
     file_impl = repro.impl or repro.implementation
@@ -122,7 +122,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     outcome = ReplayOutcome(False, impl, mutant, faults, notes=notes)
     from conformance.harness.disagg.ops import is_disagg
 
-    if any(is_disagg(op) for op in repro.steps):  # the disagg family's operations: two workers
+    if any(is_disagg(op) for op in repro.operations):  # the disagg family's operations: two workers
         from conformance.suite.disagg import replay_disagg
 
         return replay_disagg(repro, factory, model, outcome, timeout=timeout, keep_events=keep_events)
@@ -134,11 +134,11 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
                                standard_checkers(_observers_of(repro.check)), timeout=timeout)
         if env is not None:
             env.attach(session)
-        for i, op in enumerate(repro.steps):
+        for i, op in enumerate(repro.operations):
             try:
                 session.apply(op)
             except ValueError as exc:  # the session refused the operation: the file is wrong, not the cache
-                raise ReproFormatError(f"steps[{i}]: {exc}") from None
+                raise ReproFormatError(f"{operations_key(repro.version)}[{i}]: {exc}") from None
             outcome.applied = i + 1
     except (ConformanceFailure, ImplementationError) as exc:
         outcome.reproduced = True
@@ -162,8 +162,8 @@ def witness(repro: Repro, outcome: ReplayOutcome) -> str:
     """The minimal story of the failure: the operations (the failing one marked),
     the last plans and verdicts before it, and the message."""
     lines = [f"FAILED ({outcome.kind}) at operation {outcome.failed_at + 1 if outcome.failed_at is not None else '-'}"
-             f" of {len(repro.steps)}: {outcome.message}", "", "operations:"]
-    for i, op in enumerate(repro.steps):
+             f" of {len(repro.operations)}: {outcome.message}", "", "operations:"]
+    for i, op in enumerate(repro.operations):
         mark = ">>" if i == outcome.failed_at else "  "
         lines.append(f" {mark} {i + 1:>3}. {_short(op_to_dict(op))}")
     if outcome.events:

@@ -7,18 +7,35 @@ single-worker checks (``suite/execute.py``) and the disagg family
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from conformance.errors import Abandoned, ConformanceFailure, ImplementationError, UsageError
+from hypothesis.statistics import collector
+
+from conformance.errors import Abandoned, ConformanceFailure, FailureKind, ImplementationError, UsageError
 from conformance.generate.machine import Recorder, stable_draws
 from conformance.generate.spec import CheckSpec
 from conformance.results.records import Failure
 
 
-def run_machine(test: Callable[[], None], recorder: Recorder) -> tuple[str, Failure | None]:
-    """Run a machine test: ("passed", None), ("failed"|"error", the failure).
-    A crash of the harness is an error naming it, never a pass."""
+@dataclass
+class MachineOutcome:
+    """How one Hypothesis run of a check's machine ended."""
+
+    status: str  # passed | failed | error
+    failure: Failure | None
+    # Examples as ``--examples`` counts them (Hypothesis's valid examples, the
+    # failing one included; not the invalid ones, not shrinking's): what the
+    # run reports.  None when this Hypothesis reports no statistics.
+    examples: int | None
+
+
+def run_machine(test: Callable[[], None], recorder: Recorder) -> MachineOutcome:
+    """Run a machine test.  A crash of the harness is an error naming it, never a pass."""
+    stats: list[dict] = []
     try:
-        with stable_draws():
+        # Hypothesis reports each run's statistics to this collector (what its pytest plugin prints);
+        # its type says None because that is its default value.
+        with stable_draws(), collector.with_value(stats.append):  # type: ignore[arg-type]
             try:
                 test()
             except Abandoned as abandoned:  # a hang: no example replayed, the implementation not called again
@@ -27,14 +44,35 @@ def run_machine(test: Callable[[], None], recorder: Recorder) -> tuple[str, Fail
         status = "error" if isinstance(exc, ImplementationError) else "failed"
         steps, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
         first = recorder.first_failure or (None, None)
-        return status, Failure(kind=exc.kind, message=str(exc), steps=steps, events=events[-12:],
-                               examples_to_failure=first[0], seconds_to_failure=first[1])
+        examples = examples_of(stats)
+        return MachineOutcome(status, Failure(kind=exc.kind, message=str(exc), operations=steps, events=events[-12:],
+                                              examples_to_failure=examples if examples is not None else first[0],
+                                              test_cases_to_failure=first[0], seconds_to_failure=first[1]),
+                              examples)
     except UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, never a pass
-        return "error", Failure(kind="harness", message=f"{type(exc).__name__}: {exc}",
-                                steps=recorder.failure[1] if recorder.failure else [])
-    return "passed", None
+        return MachineOutcome("error", Failure(kind=FailureKind.HARNESS, message=f"{type(exc).__name__}: {exc}",
+                                               operations=recorder.failure[1] if recorder.failure else []),
+                              examples_of(stats))
+    return MachineOutcome("passed", None, examples_of(stats))
+
+
+# The phases whose test cases Hypothesis counts towards max_examples (not shrinking, not explaining).
+_COUNTED_PHASES = ("explicit-phase", "reuse-phase", "generate-phase", "target-phase")
+
+
+def examples_of(stats: list[dict]) -> int | None:
+    """The examples Hypothesis ran as ``max_examples`` counts them (valid
+    ones and the failing one), from the statistics it reports per run."""
+    if not stats:
+        return None
+    total = 0
+    for run in stats:
+        for phase in _COUNTED_PHASES:
+            cases = (run.get(phase) or {}).get("test-cases") or []
+            total += sum(1 for c in cases if c.get("status") in ("valid", "interesting"))
+    return total
 
 
 # Counters whose situation needs a transfer to arrive intact, each with the
@@ -51,8 +89,8 @@ BROKEN_BY_FAULTS = {
 }
 
 
-def coverage_failure(spec: CheckSpec, recorder: Recorder, why: tuple[str, ...] = (),
-                     faulted: bool = False) -> Failure | None:
+def coverage_failure(spec: CheckSpec, recorder: Recorder, examples: int | None = None,
+                     why: tuple[str, ...] = (), faulted: bool = False) -> Failure | None:
     """A check whose situation never occurred proves nothing: it fails.
     ``why``: what the run already knows of the cause (said after the counters).
     ``faulted``: the run injected environment faults (``BROKEN_BY_FAULTS``;
@@ -72,5 +110,6 @@ def coverage_failure(spec: CheckSpec, recorder: Recorder, why: tuple[str, ...] =
     if not missing:
         return None
     because = "".join(f"; {w}" for w in why)
-    return Failure(kind="coverage", message=f"the {spec.family} situation never occurred: {', '.join(missing)} "
-                                            f"stayed at 0 over {recorder.examples} examples{because}")
+    n = examples if examples is not None else recorder.examples
+    return Failure(kind=FailureKind.COVERAGE, message=f"the {spec.family} situation never occurred: "
+                                                      f"{', '.join(missing)} stayed at 0 over {n} examples{because}")

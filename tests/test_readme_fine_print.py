@@ -12,7 +12,6 @@ from conformance.harness.ops import Drain, HoldTransfers, Step, Submit
 from conformance.judge import judged_session
 from conformance.suite.checks import get_check
 from conformance.suite.execute import check_impl_config
-from conformance.suite.options import RunOptions
 
 CFG = ImplConfig(block_size=4, num_kv_blocks=16, num_state_slots=8)
 
@@ -72,11 +71,10 @@ def test_an_offload_reads_its_source_before_the_step_that_carries_it(model, orac
 
 def test_the_tier_option_reaches_the_constructor_as_an_option():
     tier = ("spy_tier", 7)
-    assert check_impl_config(get_check("tier-reuse"), RunOptions(), tier).options["spy_tier"] == 7
-    assert "spy_tier" not in check_impl_config(get_check("mid-block-hits"), RunOptions(), tier).options
-    # an --option of the same name wins (with --faults, prepare() sets it for every check the same way)
-    assert check_impl_config(get_check("tier-reuse"), RunOptions(impl_options={"spy_tier": 0}), tier
-                             ).options["spy_tier"] == 0
+    assert check_impl_config(get_check("tier-reuse"), {}, None, tier).options["spy_tier"] == 7
+    assert "spy_tier" not in check_impl_config(get_check("mid-block-hits"), {}, None, tier).options
+    # an --option of the same name wins (with --faults, prepare_run() sets it for every check the same way)
+    assert check_impl_config(get_check("tier-reuse"), {"spy_tier": 0}, None, tier).options["spy_tier"] == 0
 
 
 class ResumesLoadedSlot(ReferenceCache):

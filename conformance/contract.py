@@ -319,7 +319,11 @@ REQUIRED_METHODS = ("layout", "add_request", "schedule", "update", "abort", "vie
 # Both, or the "spec" family is skipped (with ``spec_option``, a class
 # attribute ``("option", value)`` that turns speculative decoding on, as
 # ``tier_option`` turns on a second tier).
-OPTIONAL_METHODS = ("retention", "speculation", "propose_drafts")
+#
+#   engine_config() -> dict   what the engine was really started with for the
+#       configuration it was built with (pool, lengths, release), as plain data:
+#       recorded with each check's result (``CheckResult.engine_config``).
+OPTIONAL_METHODS = ("retention", "speculation", "propose_drafts", "engine_config")
 
 
 def missing_methods(obj: object) -> list[str]:

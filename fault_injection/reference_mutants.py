@@ -207,3 +207,116 @@ def short_chunk_conv_overwrite(factory):
         return step
 
     return _subclass(factory, "short-chunk-conv-overwrite", _plan_request=_plan_request)
+
+
+# -- the histories of issue 25: each of these needs one the generator used to reach at some seeds only --
+
+@register("evict-running-entry", "LIFETIME")
+def evict_running_entry(factory):
+    """A block is queued for eviction when it is published (registered as
+    cached) if the request that wrote it is its only holder, as if the cache
+    entry's reference were the only one: it waits behind every older cached
+    entry, and once eviction reaches it (a new long prompt needs blocks while
+    the writer still decodes) the allocation overwrites the KV of a running
+    request's prompt, which the request reads at its next step."""
+
+    def _register_blocks(self, req):
+        ReferenceCache._register_blocks(self, req)
+        for b in req.blocks[: req.computed // self.B]:
+            if self.kv.ref[b] == 1 and b in self.kv.meta and b not in self.kv.free:
+                self.kv.free[b] = None  # the newest evictable: behind every older cached entry
+
+    return _subclass(factory, "evict-running-entry", _register_blocks=_register_blocks)
+
+
+def _copied_index(cache, req) -> int | None:
+    """The table index of the copy a hit ending inside a block made, while
+    the request has not computed that block to its end (None otherwise)."""
+    i = getattr(req, "copied", None)
+    if i is None or req not in cache.running or req.computed >= min((i + 1) * cache.B, req.prompt_len):
+        return None
+    return i
+
+
+def _admit_marking_copy(cache, req, kv_copies) -> bool:
+    ok = ReferenceCache._admit(cache, req, kv_copies)
+    if ok and req.computed % cache.B:  # the hit ended inside its last block: that block is a copy
+        req.copied = req.computed // cache.B
+    return ok
+
+
+@register("abort-publishes-copied-block", "SNAP")
+def abort_publishes_copied_block(factory):
+    """Aborting a request whose hit ended inside a block publishes its copy of
+    that block under the prompt's tokens for the whole block, as if the
+    copy-on-write had completed it (the abort path marks the copied block
+    computed): aborted before it wrote the block's end, the cache lists
+    positions that hold nothing, and a later prompt through that block reads
+    them."""
+
+    def abort(self, request_id):
+        req = self._find(request_id)
+        i = _copied_index(self, req)
+        if i is not None and len(req.tokens) >= (i + 1) * self.B:
+            parent = ROOT
+            for j in range(i):
+                parent = chain(parent, tuple(req.tokens[j * self.B: (j + 1) * self.B]))
+            self.kv.register(parent, tuple(req.tokens[i * self.B: (i + 1) * self.B]),
+                             tuple(req.tokens[: (i + 1) * self.B]), req.blocks[i])
+        ReferenceCache.abort(self, request_id)
+
+    return _subclass(factory, "abort-publishes-copied-block", _admit=_admit_marking_copy, abort=abort)
+
+
+@register("abort-leaks-copy", "LIFETIME")
+def abort_leaks_copy(factory):
+    """A copy-on-write block is tracked apart until the request completes it;
+    an abort before that frees the request's other blocks and forgets the
+    copy, which stays referenced by nobody (a leak: a block fewer every time
+    a client goes away mid-prefill after a hit ending inside a block)."""
+
+    def abort(self, request_id):
+        req = self._find(request_id)
+        i = _copied_index(self, req)
+        if i is not None:
+            req.blocks = req.blocks[:i] + req.blocks[i + 1:]
+        ReferenceCache.abort(self, request_id)
+
+    return _subclass(factory, "abort-leaks-copy", _admit=_admit_marking_copy, abort=abort)
+
+
+@register("resume-from-hit-after-short-chunk", "SNAP")
+def resume_from_hit_after_short_chunk(factory):
+    """After a hit ending inside a block, a first chunk that stops inside the
+    same block leaves the request's state source at the hit's snapshot (the
+    core and the worker disagree on the live recurrent column, vllm#51763):
+    the next chunk starts again from the state after the hit, not after the
+    chunk, and every later token is computed from the wrong state."""
+
+    def _plan_request(self, req, budget):
+        step = ReferenceCache._plan_request(self, req, budget)
+        if (step is not None and step.state_init.kind == "copy" and step.start % self.B
+                and step.end // self.B == step.start // self.B and step.end < req.prompt_len):
+            req.init = step.state_init
+        return step
+
+    return _subclass(factory, "resume-from-hit-after-short-chunk", _plan_request=_plan_request)
+
+
+@register("state-hit-over-kv", "GROUPS")
+def state_hit_over_kv(factory):
+    """The groups' hits are combined by their maximum: when the recurrent
+    group holds a longer prefix of the prompt than the attention group (the
+    KV was evicted, a deeper snapshot survived; vllm#46453), the request
+    starts at the snapshot's length with the KV blocks that were found, and
+    the positions between the two were never written in its table."""
+
+    def _reconcile(self, prompt, kv_len, blocks, keys):
+        m = ReferenceCache._reconcile(self, prompt, kv_len, blocks, keys)
+        for p in range(len(prompt) - 1, m.length, -1):
+            slot = self.states.lookup(tuple(prompt[:p]))
+            if slot is not None and blocks:
+                return Match(p, blocks[: -(-p // self.B)], slot)
+        return m
+
+    return _subclass(factory, "state-hit-over-kv", _reconcile=_reconcile)

@@ -6,6 +6,8 @@ and the invariants), never by a check written for it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from conformance.adapters.reference.cache import Match, ReferenceCache
 from fault_injection.registry import register, subclass_mutant
 
@@ -122,3 +124,20 @@ def exact_multiple_loses_prompt_end(factory):
         ReferenceCache._register_snapshot(self, req)
 
     return _subclass(factory, "exact-multiple-loses-prompt-end", _register_snapshot=_register_snapshot)
+
+
+@register("tier-offload-after-overwrite", "TIER", options=TIER)
+def tier_offload_after_overwrite(factory):
+    """The offload of an evicted entry is issued in the plan after the one
+    whose allocation evicted it (a write-back queue drained one step late):
+    by then the step has overwritten the block or slot, so the host stores
+    the new occupant's bytes under the evicted prefix's key, with their own
+    checksum, and a later load brings another prompt's KV or state back as
+    that prefix's (TRT-LLM#8813: tokens from other prompts)."""
+
+    def schedule(self, budget):
+        plan = ReferenceCache.schedule(self, budget)
+        late, self._late = getattr(self, "_late", ()), tuple(t for t in plan.transfers if t.direction == "offload")
+        return replace(plan, transfers=tuple(t for t in plan.transfers if t.direction != "offload") + late)
+
+    return _subclass(factory, "tier-offload-after-overwrite", schedule=schedule)

@@ -75,7 +75,11 @@ def last_state_sent(factory):
     prefill side's NixlConnector scheduler)."""
 
     def patch(impl):
+        from conformance.adapters.vllm import compat
+
         conn = impl.prefill.scheduler.connector.connector_scheduler
-        conn._truncate_request_for_prefill = lambda request: None
+        name = compat.nixl_prefill_truncation()  # the method's name moved in 0.31.0
+        assert callable(getattr(conn, name, None)), f"{name}: not on {type(conn).__name__}"
+        setattr(conn, name, lambda request: None)
 
     return _with_mode(factory, "vllm-pd-last-state-sent", patch)

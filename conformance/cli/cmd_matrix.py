@@ -39,7 +39,8 @@ def row_verdict(row: dict, directory: Path | None = None) -> tuple[bool, str]:
         return True, f"{label}: passed"
     impl = row.get("impl_spec") or row.get("implementation") or ""
     expectations = None if row.get("mutant") else find_expectations(impl, row.get("implementation_version") or "",
-                                                                     directory or EXPECTATIONS_DIR)
+                                                                     directory or EXPECTATIONS_DIR,
+                                                                     build=row.get("implementation_build") or "")
     if expectations is not None and not nothing:
         _, as_expected = format_expectations(row, expectations)
         if as_expected:

@@ -52,6 +52,25 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return shard
 
 
+def _no_expectations(result, impl: str) -> None:
+    """A version (and build) without an expectations file: said on the console and in results.json,
+    so that a raw verdict is never read as a judged one (docs/upgrading-vllm.md: writing one)."""
+    from conformance.results import report
+    from conformance.results.expectations import EXPECTATIONS_DIR
+
+    label = " ".join(x for x in (result.implementation_build or result.implementation,
+                                 result.implementation_version) if x)
+    note = (f"no expectations file for --impl {impl} on {label} in {EXPECTATIONS_DIR}: the exit status is the raw "
+            f"verdict (every failure counts); known defects are not told apart")
+    print(note, file=sys.stderr)
+    result.metrics["expectations"] = {"path": None, "note": note}
+    out = result.metrics.get("report_dir")
+    if out:
+        from pathlib import Path
+
+        report.write_all(Path(out), result)
+
+
 def options_from(args) -> RunOptions:
     """The run the command line asks for."""
     return RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, report_dir=args.report_dir,
@@ -88,7 +107,10 @@ def main(args) -> int:
     if expectations is None and result.implementation != "reference" and not args.mutant:
         from conformance.results.compare import find_expectations
 
-        expectations = find_expectations(args.impl, result.implementation_version)
+        build = result.implementation_build
+        expectations = find_expectations(args.impl, result.implementation_version, build=build)
+        if expectations is None:
+            _no_expectations(result, args.impl)
     if expectations:
         from conformance.results.compare import format_expectations
 

@@ -38,6 +38,7 @@ from conformance.generate.rules.pressure import Pressure
 from conformance.generate.rules.prompts import Prompts
 from conformance.generate.rules.speculative import Speculative
 from conformance.generate.rules.steps import Steps
+from conformance.generate.rules.targeted import Targeted
 from conformance.generate.rules.transfers import Transfers
 from conformance.generate.settings import hypothesis_settings, stable_draws
 from conformance.generate.spec import CheckSpec, mixed
@@ -54,6 +55,7 @@ OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
     (HardHistories, frozenset({"live-pressure", "burst", "aba", "diverge", "live-abort"})),
     (Transfers, frozenset({"transfers"})),
     (Speculative, frozenset({"spec"})),
+    (Targeted, frozenset({"evict-running", "abort-copy", "tier-tail", "kv-first"})),
 )
 
 

@@ -4,7 +4,7 @@ An implementation may declare its policy with an optional ``retention()``
 method (see ``contract.OPTIONAL_METHODS``)::
 
     {"interval": None | I, "admission": "always" | "second-hit",
-     "prompt_ends": True | "tail", "sequence_ends": bool,
+     "prompt_ends": True | "tail" | "floor", "sequence_ends": bool,
      "hash_unit": u, "junctions": None | J, "interval_at": "anywhere" | "chunk-ends"}
 
 From it the harness derives, per request, the *checkpoints*: the prompt end,
@@ -15,7 +15,11 @@ only where a step ends (vLLM's Mamba "align" mode): ``prompt_ends = "tail"``
 puts the prompt's checkpoint at its *tail*, the last multiple t of
 ``hash_unit`` before the last prompt token, and at the block boundary at or
 before t (where the chunk before the tail ends; under ``"chunk-ends"``, only
-where a step ends on it or exports it); ``junctions = J`` adds
+where a step ends on it or exports it); ``prompt_ends = "floor"`` keeps that
+block boundary but puts the tail at the last multiple of ``hash_unit`` at or
+before the prompt's end, and only where that ends inside a block (vLLM 0.30
+and 0.31; 0.32 on registers the tail one token earlier: see
+conformance/adapters/vllm/compat.py); ``junctions = J`` adds
 Marconi's shared-prefix junction: a new request whose prompt the cached KV
 covers further than the hit it starts from has a checkpoint where that KV
 coverage ends, rounded down to a multiple of J; and ``interval_at =
@@ -78,8 +82,8 @@ def declared_retention(obs) -> dict | None:
     if admission not in ("always", "second-hit"):
         raise ConformanceFailure("contract", f"retention(): unknown admission {admission!r}")
     prompt_ends = decl.get("prompt_ends", True)
-    if prompt_ends not in (True, False, "tail"):
-        raise ConformanceFailure("contract", f"retention(): prompt_ends must be true, false or \"tail\", "
+    if prompt_ends not in (True, False, "tail", "floor"):
+        raise ConformanceFailure("contract", f"retention(): prompt_ends must be true, false, \"tail\" or \"floor\", "
                                              f"got {prompt_ends!r}")
     units = {k: decl.get(k) for k in ("hash_unit", "junctions", "tier_unit")}
     for key, unit in units.items():
@@ -156,12 +160,16 @@ class RetentionChecker(Checker):
         interval = self.decl["interval"]
         step = self.B if interval is None else interval
         published = {end} | set(exported)
-        if self.decl["prompt_ends"] == "tail":
-            tail = (prompt_len - 1) // self.decl["hash_unit"] * self.decl["hash_unit"]
+        if self.decl["prompt_ends"] in ("tail", "floor"):
+            h = self.decl["hash_unit"]
             # the block boundary before the tail: where the chunk before the
             # tail ends, unless the tail is exported from inside one chunk
-            floor = tail // self.B * self.B
-            ends = {tail} | ({floor} if self.decl["interval_at"] != "chunk-ends" or floor in published else set())
+            floor = (prompt_len - 1) // h * h // self.B * self.B
+            if self.decl["prompt_ends"] == "tail":
+                tails = {(prompt_len - 1) // h * h}
+            else:  # the prompt's end floored to h, where it ends inside a block
+                tails = {prompt_len // h * h} - {q for q in (prompt_len // h * h,) if q % self.B == 0}
+            ends = tails | ({floor} if self.decl["interval_at"] != "chunk-ends" or floor in published else set())
         else:
             ends = {prompt_len} if self.decl["prompt_ends"] else set()
         out = {q for q in ends if start < q <= end}
@@ -192,7 +200,7 @@ class RetentionChecker(Checker):
         offered: list[tuple[str, int, tuple[int, ...]]] = []
         self.step_no += 1
         verified = obs.history.verified_this_step()
-        for rs in plan.requests:
+        for i, rs in enumerate(plan.requests):
             track = obs.tracks[rs.request_id]
             # a verification step reaches through its accepted drafts, and holds
             # the state of each accepted position in a column of its own
@@ -201,7 +209,7 @@ class RetentionChecker(Checker):
             exported = {q for q, _ in rs.snapshots} | set(range(rs.end, reach + 1))
             qs = self.checkpoints(rs.start, reach, track.prompt_len, frozenset(exported))
             if self.decl["junctions"]:
-                qs += self._junction(obs, view_before, track, rs)
+                qs += self._junction(obs, view_before, track, rs, plan.requests[i + 1:])
             if self.decl["admission"] == "second-hit":
                 qs += self._sighted(track.tokens, rs.start, reach)
             if rs.request_id in finished and self.decl["sequence_ends"]:
@@ -268,18 +276,24 @@ class RetentionChecker(Checker):
                                f"held by running requests" + (" nor spent running a finished one to a state the "
                                                              "policy does not keep" if spent else "") + ")")
 
-    def _junction(self, obs, view_before, track, rs) -> list[int]:
+    def _junction(self, obs, view_before, track, rs, later=()) -> list[int]:
         """The request's junction: where the KV that other requests had cached
         when it was first scheduled (``plan_view``: an engine may register a
-        request's blocks as it schedules them, so a request arriving in the
-        same step counts) stops covering its prompt, rounded down to the
-        junction unit; a checkpoint when a step reaches it past the hit."""
+        request's blocks as it schedules them, so a request scheduled before
+        it in the same step counts; one scheduled after it, ``later`` in the
+        plan, does not: nothing could have seen its KV yet, and vLLM 0.30/0.31
+        schedule two cold copies of one prefix in one step) stops covering its
+        prompt, rounded down to the junction unit; a checkpoint when a step
+        reaches it past the hit."""
         assert self.decl is not None  # asked only of a checker whose implementation declared one
         rid = rs.request_id
         if track.steps == 1:
-            # its own blocks: those past the hit that no one had cached before
+            # its own blocks: those past the hit that no one had cached before,
+            # and those of requests scheduled after it in this step
             before = {e.block for e in view_before.cached_kv} if view_before is not None else set()
             own = set(rs.block_table[rs.start // self.B:]) - before
+            for other in later:
+                own |= set(other.block_table[other.start // self.B:]) - before
             others = CacheView(cached_kv=tuple(e for e in obs.plan_view.cached_kv if e.block not in own))
             covered = ViewIndex.of(others, self.B).kv_servable(track.tokens[: track.prompt_len])
             unit = self.decl["junctions"]

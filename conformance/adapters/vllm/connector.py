@@ -38,6 +38,7 @@ apply to it exactly as to any other implementation's tier.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -102,7 +103,7 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._divergent = opts["divergent"]
         self.load_async = opts["async"]
         self.block_size = vllm_config.cache_config.block_size
-        self.adapter = None  # for the requests' tokens
+        self.adapter: Any = None  # the VllmCache, for the requests' tokens (bind_adapter)
         self.stored: dict[str, str] = {}  # key -> checksum of the source bytes (completed offloads only)
         self.inflight: dict[int, tuple] = {}  # transfer id -> ("offload", key) | ("load", request, key)
         self.offloads: list[Transfer] = []  # issued after a step, run at the start of the next
@@ -188,7 +189,8 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
         rid, B = load.request_id, self.block_size
         tokens = self.adapter.requests[rid].all_token_ids
         attn, mamba = load.block_ids[ATTN_GROUP], load.block_ids[MAMBA_GROUP]
-        wanted = [("kv", (i + 1) * B, attn[i]) for i in range(load.begin // B, load.end // B)]
+        wanted: list[tuple[Literal["kv", "state"], int, int]] = [
+            ("kv", (i + 1) * B, attn[i]) for i in range(load.begin // B, load.end // B)]
         wanted.append(("state", load.end, mamba[(load.end - 1) // B]))
         out = []
         for kind, p, device in wanted:
@@ -210,7 +212,8 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if req is None:
                 continue
             tokens = req.all_token_ids
-            wanted = [("kv", (i + 1) * B, rs.block_table[i]) for i in range(rs.start // B, rs.end // B)]
+            wanted: list[tuple[Literal["kv", "state"], int, int]] = [
+                ("kv", (i + 1) * B, rs.block_table[i]) for i in range(rs.start // B, rs.end // B)]
             # The states at block boundaries the step leaves behind: a
             # prefill checkpoint exported from inside the step (MambaMixer2's
             # spec: vLLM no longer ends a chunk there, so without these the
@@ -266,6 +269,7 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.recving, self.failed_recving = set(), set()
         return KVConnectorOutput(finished_recving=recving, failed_recving=failed) if recving else None
 
-    def _issue(self, direction: str, kind: str, key: str, device: int, rid: str) -> Transfer:
+    def _issue(self, direction: Literal["offload", "load"], kind: Literal["kv", "state"], key: str, device: int,
+               rid: str) -> Transfer:
         self._next_id += 1
         return Transfer(self._next_id, direction, kind, key, device, rid)

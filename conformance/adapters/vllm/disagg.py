@@ -1,5 +1,5 @@
 """VllmDisagg: the disaggregated contract (``conformance.disagg.contract``) on
-top of two real vLLM 0.33.0 ``Scheduler``s, each with the NixlConnector's
+top of two real vLLM ``Scheduler``s (0.30.0-0.33.0), each with the NixlConnector's
 scheduler side (``kv_producer`` for prefill, ``kv_consumer`` for decode,
 ``kv_load_failure_policy="recompute"``).  ``--impl vllm --check disagg-transfer``
 reaches it through ``VllmCache.disagg_factory``.
@@ -48,26 +48,20 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from vllm.config import KVTransferConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from conformance.adapters.vllm.config import (
-    ATTN_GROUP,
-    MAMBA_GROUP,
-    VllmOptions,
-    build_kv_cache_config,
-    build_vllm_config,
-    resolve_engine_fields,
-)
+from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP, VllmOptions
+from conformance.adapters.vllm.startup import start
 from conformance.adapters.vllm.translate import RunnerState
 from conformance.contract import ImplConfig, Layout, Request
 from conformance.disagg.contract import (
@@ -95,7 +89,7 @@ DEFAULTS = {"prefill_block": 16, "decode_block": 16, "prefill_shards": 1, "decod
 KNOWN = set(DEFAULTS)
 
 
-def nixl_transfer_config(role: str) -> KVTransferConfig:
+def nixl_transfer_config(role: Literal["kv_producer", "kv_consumer"]) -> KVTransferConfig:
     return KVTransferConfig(kv_connector="NixlConnector", kv_role=role, engine_id=str(uuid.uuid4()),
                             kv_buffer_device="cpu", kv_load_failure_policy="recompute")
 
@@ -106,8 +100,9 @@ class _Side:
     opts: VllmOptions
     scheduler: Scheduler
     runner: RunnerState
-    hasher: object
-    pending_so: object = None
+    hasher: Any
+    config: dict  # what it was started with (.startup)
+    pending_so: Any = None
     out: KVConnectorOutput = field(default_factory=KVConnectorOutput)
 
     @property
@@ -129,9 +124,9 @@ class VllmDisagg:
     name = "vllm-disagg"
 
     def __init__(self, config: ImplConfig | None = None):
-        import vllm
+        from conformance.adapters.vllm import compat
 
-        self.version = vllm.__version__
+        self.version, self.build = compat.installed().version, compat.installed().build
         o = dict(DEFAULTS, **((config.options if config else {}) or {}))
         unknown = set(o) - KNOWN
         if unknown:
@@ -158,16 +153,20 @@ class VllmDisagg:
                       "expired": 0}
         self._done: set[str] = set()  # decode requests vLLM finished during this update
 
-    def _side(self, worker: str, block: int, pages: int, role: str) -> _Side:
-        opts = VllmOptions(block_size=block, num_blocks=pages, prefix_match_unit=block)
-        vc = build_vllm_config(opts, nixl_transfer_config(role))
-        kvc = build_kv_cache_config(opts)
-        register_all_kvcache_specs(vc)
-        resolve_engine_fields(vc, kvc)
+    def _side(self, worker: str, block: int, pages: int, role: Literal["kv_producer", "kv_consumer"]) -> _Side:
+        # As the engine core starts each instance (.startup): max_model_len fitted to its pool.
+        startup = start(VllmOptions(block_size=block, num_blocks=pages, prefix_match_unit=block),
+                        nixl_transfer_config(role))
+        opts, vc, kvc = startup.opts, startup.vllm_config, startup.kv_cache_config
         s = Scheduler(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
                       block_size=block, hash_block_size=block, log_stats=True)
         # MambaMixer2's spec: the runner exports prefill checkpoints in lockstep with the scheduler.
-        return _Side(worker, opts, s, RunnerState.for_config(vc, kvc), get_request_block_hasher(block, sha256))
+        return _Side(worker, opts, s, RunnerState.for_config(vc, kvc), get_request_block_hasher(block, sha256),
+                     startup.describe())
+
+    def engine_config(self) -> dict:
+        """The configuration each instance was started with (recorded with the check's result)."""
+        return {PREFILL: self.prefill.config, DECODE: self.decode.config}
 
     # -- contract ------------------------------------------------------------------------
     def disagg_layouts(self) -> DisaggLayouts:

@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from vllm.config import KVTransferConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request as VRequest
 from vllm.v1.structured_output import StructuredOutputManager
 
-from conformance.adapters.vllm.config import VllmOptions, build_kv_cache_config, build_vllm_config
+from conformance.adapters.vllm.config import VllmOptions
+from conformance.adapters.vllm.startup import start
 
 # What vLLM's toy proxy sends to the prefill instance.
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -44,7 +45,7 @@ _EOS = 2
 _TOKEN = 7  # what the stand-in model samples (the harness samples real tokens in the adapter)
 
 
-def nixl_transfer_config(role: str, engine_id: str | None = None) -> KVTransferConfig:
+def nixl_transfer_config(role: Literal["kv_producer", "kv_consumer"], engine_id: str | None = None) -> KVTransferConfig:
     return KVTransferConfig(kv_connector="NixlConnector", kv_role=role, engine_id=engine_id or str(uuid.uuid4()),
                             kv_buffer_device="cpu", kv_load_failure_policy="recompute")
 
@@ -77,12 +78,11 @@ class PdSchedulers:
         self.prefill = self._side("kv_producer")
         self.decode = self._side("kv_consumer")
         self._hasher = get_request_block_hasher(self.opts.prefix_match_unit, sha256)
-        self.last_meta = None
+        self.last_meta: Any = None
 
-    def _side(self, role: str) -> Side:
-        vc = build_vllm_config(self.opts, nixl_transfer_config(role))
-        kvc = build_kv_cache_config(self.opts)
-        register_all_kvcache_specs(vc)
+    def _side(self, role: Literal["kv_producer", "kv_consumer"]) -> Side:
+        startup = start(self.opts, nixl_transfer_config(role))  # as the engine core starts it (.startup)
+        vc, kvc = startup.vllm_config, startup.kv_cache_config
         s = Scheduler(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
                       block_size=self.opts.block_size, hash_block_size=self.opts.prefix_match_unit, log_stats=True)
         return Side(role, s, vc)

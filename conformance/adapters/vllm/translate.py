@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conformance.adapters.vllm import compat
 from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
 from conformance.contract import FRESH, RESUME, RequestStep, StepPlan, copy_from
 
@@ -63,18 +64,15 @@ class RunnerState:
         """A runner in lockstep with the scheduler built from these configs: the
         worker's prefill checkpoint rules read the hash sizes the engine
         resolved (``MambaPrefillCheckpointBuilder.build``) and the Mamba spec."""
-        cache = vllm_config.cache_config
         spec = kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec
-        sc = vllm_config.speculative_config
-        lookahead = getattr(vllm_config, "num_hash_lookahead_tokens", 0)  # none before 0.33
+        hash_block_size, alignment = compat.checkpoint_hash_sizes(vllm_config.cache_config, spec.block_size)
         return cls(mamba_block_size=spec.block_size, num_spec_blocks=spec.num_speculative_blocks,
-                   hash_block_size=cache.hash_block_size,
-                   cache_hit_alignment_tokens=cache.cache_hit_alignment_tokens,
+                   hash_block_size=hash_block_size, cache_hit_alignment_tokens=alignment,
                    checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
                    checkpoint_alignment=spec.prefill_checkpoint_alignment,
-                   # checkpoint.py MambaPrefillCheckpointBuilder.__init__
-                   drop_eagle_block=sc is not None and sc.use_eagle_block_drop() and not lookahead,
-                   num_hash_lookahead_tokens=lookahead)
+                   # checkpoint.py MambaPrefillCheckpointBuilder.__init__ (.compat)
+                   drop_eagle_block=compat.drops_eagle_block(vllm_config),
+                   num_hash_lookahead_tokens=compat.hash_lookahead_tokens(vllm_config))
 
     def prev_state_idx(self, rid: str, num_computed: int) -> int:
         """The column holding the state at ``num_computed`` (-1: start fresh).
@@ -183,18 +181,14 @@ class RunnerState:
         """The state the worker exports from inside this step, if any
         (``MambaPrefillCheckpointBuilder.build``: only in align mode with
         checkpoint blocks, and only once the hash sizes are resolved)."""
-        if not self.checkpoint_blocks or self.hash_block_size is None or self.cache_hit_alignment_tokens is None:
+        if not self.checkpoint_blocks or self.hash_block_size is None:
             return ()
-        from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
-
-        # num_hash_lookahead_tokens: 0.33's, absent before (it is 0 there)
-        lookahead = {"num_hash_lookahead_tokens": self.num_hash_lookahead_tokens} \
-            if self.num_hash_lookahead_tokens else {}
-        offsets, cols = compute_mamba_prefill_checkpoints(
-            [end], [end - start], hash_block_size=self.hash_block_size, mamba_block_size=self.mamba_block_size,
-            checkpoint_alignment=self.checkpoint_alignment, drop_eagle_block=self.drop_eagle_block,
-            cache_hit_alignment_tokens=self.cache_hit_alignment_tokens, **lookahead)
-        offset, col = offsets[0], cols[0]
+        # vLLM's own compute_mamba_prefill_checkpoints, as this release calls it (.compat).
+        offset, col = compat.prefill_checkpoint(
+            end, end - start, hash_block_size=self.hash_block_size, mamba_block_size=self.mamba_block_size,
+            checkpoint_alignment=self.checkpoint_alignment,
+            cache_hit_alignment_tokens=self.cache_hit_alignment_tokens, drop_eagle_block=self.drop_eagle_block,
+            num_hash_lookahead_tokens=self.num_hash_lookahead_tokens)
         if not offset:
             return ()
         # _gather_checkpoint_state_indices reads block_table[row, col]; a row is

@@ -64,6 +64,7 @@ class MachineBase(RuleBasedStateMachine):
         self.ops: list[Op] = []
         self.next_id = 0
         self.finished: list[str] = []
+        self.built: set[str] = set()  # histories a once-an-example rule built in this example
         self.recorder.examples += 1
 
     def enabled(self, rule_group: str) -> bool:

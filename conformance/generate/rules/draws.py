@@ -3,6 +3,7 @@ of the configuration, see :func:`~conformance.generate.configured.configured_rul
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from hypothesis import strategies as st
@@ -33,3 +34,24 @@ DIVERGING: dict[str, Any] = dict(
     which=lambda c: st.integers(0, 7), k=lambda c: st.integers(0, c.spec.max_prompt_blocks),
     offset=lambda c: st.integers(0, c.B - 1), tail=lambda c: st.booleans(),
     rest=lambda c: strategies.tokens(c.vocab, c.B), max_new=lambda c: st.integers(1, c.spec.max_new_tokens))
+
+
+def tail_against_remote(machine, seed: int, length: int, k: int, offset: int, more: int) -> tuple[tuple[int, ...], ...]:
+    """The four prompts of the tiers' fourth case (a local hit ending inside
+    block ``k`` against the host tier's hit at that block's end), their
+    tokens from ``seed``: a prompt A of ``length`` tokens; A cut ``offset``
+    tokens into block ``k``; junk, distinct from A's start, that takes as many
+    state slots as the pool has beyond A's checkpoints (one per block, the
+    densest a cache keeps), so that an LRU displaces A's older entries to the
+    host tier but keeps the younger, mid-block one; A up to block ``k``'s end
+    and a token A does not have there.  Empty when block ``k`` is not inside A."""
+    B, cut, vocab = machine.B, k * machine.B, machine.model.config.vocab_size
+    if cut >= length:
+        return ()
+    rng = random.Random(seed)
+    a = tuple(rng.randrange(vocab) for _ in range(length))
+    blocks = min(machine.max_len // B, max(1, machine.impl_config.num_state_slots - -(-length // B) + more))
+    junk = ((a[0] + 1 + rng.randrange(max(1, vocab - 1))) % vocab,) + tuple(  # never A's start
+        rng.randrange(vocab) for _ in range(blocks * B - 2))
+    other = (a[cut] + 1 + rng.randrange(max(1, vocab - 1))) % vocab  # never A's token after the boundary
+    return a, a[: cut - B + offset], junk, a[:cut] + (other,)

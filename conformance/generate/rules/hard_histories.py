@@ -10,6 +10,7 @@ from conformance.generate.rules.base import MachineBase
 from conformance.generate.rules.draws import DIVERGING, junk_prompts
 from conformance.harness.observation import Track
 from conformance.harness.ops import Abort, Drain, Step, Submit
+from conformance.judge.memory_coverage import Held
 
 
 class HardHistories(MachineBase):
@@ -92,10 +93,25 @@ class HardHistories(MachineBase):
                      and not self.session.active() and self.finished,
                      which=lambda c: st.integers(0, 7), junk=junk_prompts)
     def displaced_and_requested_again(self, which, junk):
-        """A -> B -> A: a finished prompt, displaced by distinct prompts, asked for again."""
+        """A -> B -> A: a finished prompt, displaced by distinct prompts, asked
+        for again.  Displaced means memory lost some of what could serve it
+        (by provenance: the KV and a state of its longest prefix held whole),
+        not that the cache evicted something: until it has, another distinct
+        prompt (the last one, every token shifted) follows, at most as many
+        as the KV pool the implementation reports could hold.  A cache that
+        evicts never-used blocks first and keeps one pool for KV and states
+        (vLLM) can hold a prompt through a few pool-sized prompts."""
         prev = self.session.tracks[self.finished[which % len(self.finished)]]
+        asked = prev.tokens[: prev.prompt_len]
+        held = Held(self.session.memory).reuse(asked)
         for prompt in junk:
             self.apply(Submit(self.new_id(), prompt, 1))
+            self.apply(Drain(1024))
+        rounds = self.session.layout.num_kv_blocks // -(-len(junk[-1]) // self.B) + 1
+        for i in range(1, rounds + 1 if held else 0):
+            if Held(self.session.memory).reuse(asked) < held:
+                break
+            self.apply(Submit(self.new_id(), tuple((t + i) % self.vocab for t in junk[-1]), 1))
             self.apply(Drain(1024))
         self._submit_if_fits(prev.tokens[: prev.prompt_len], 1)
         if self.enabled("transfers"):

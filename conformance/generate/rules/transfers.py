@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import random
-
 from hypothesis import strategies as st
 
 from conformance.generate import strategies
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
-from conformance.generate.rules.draws import junk_prompts
+from conformance.generate.rules.draws import junk_prompts, tail_against_remote
 from conformance.harness.ops import OUTCOMES, Abort, Deliver, Drain, Step, StoreEvict, Submit
 
 
@@ -106,16 +104,7 @@ class Transfers(MachineBase):
         the prompt up to the boundary and one diverging token is asked for,
         and its load decided (``fate``) before it runs.  The tokens come from
         ``seed`` (a few draws instead of two prompts' worth)."""
-        B, cut, vocab = self.B, k * self.B, self.model.config.vocab_size
-        if cut >= length:
-            return
-        rng = random.Random(seed)
-        a = tuple(rng.randrange(vocab) for _ in range(length))
-        blocks = min(self.max_len // B, max(1, self.impl_config.num_state_slots - -(-length // B) + more))
-        junk = ((a[0] + 1 + rng.randrange(max(1, vocab - 1))) % vocab,) + tuple(  # never A's start
-            rng.randrange(vocab) for _ in range(blocks * B - 2))
-        other = (a[cut] + 1 + rng.randrange(max(1, vocab - 1))) % vocab  # never A's token after the boundary
-        for i, seq in enumerate((a, a[: cut - B + offset], junk, a[:cut] + (other,))):
+        for i, seq in enumerate(tail_against_remote(self, seed, length, k, offset, more)):
             if self.fits(len(seq), 1):
                 self.apply(Submit(self.new_id(), seq, 1))
                 if i == 3:

@@ -86,6 +86,9 @@ BROKEN_BY_FAULTS = {
     "remote_expected": "remote_excused",
     # a prefix hit served by a tier load, or a request that went on after its load broke
     "tier_hits": "tier_recoveries",
+    # the same, where the loaded hit is longer than the local one (memory_coverage):
+    # a load broken on its way has no length to compare, so the recovery stands for it too
+    "tier_hits_over_local": "tier_recoveries",
 }
 
 

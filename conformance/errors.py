@@ -56,6 +56,18 @@ class ImplementationError(Exception):
         self.kind = FailureKind(kind)  # raised | timeout
 
 
+class Abandoned(BaseException):  # noqa: N818 - not an error of its own: it carries one
+    """The implementation hung (``error``, an :class:`ImplementationError` of
+    kind ``timeout``): the check abandons it at once.  A ``BaseException`` so
+    that Hypothesis passes it straight through instead of replaying the
+    failing example (which would wait out the timeout again); no later phase
+    of the check calls the implementation again (no minimizing replays)."""
+
+    def __init__(self, error: ImplementationError):
+        super().__init__(str(error))
+        self.error = error
+
+
 class HarnessError(Exception):
     """The harness itself failed (a checker crashed, a transport broke): the
     check reports an error naming the harness, never a pass."""

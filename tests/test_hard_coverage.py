@@ -15,7 +15,7 @@ B = 4
 def fake_session(tracks: dict[str, Track]):
     """What a checker observes of a session (conformance.harness.observation)."""
     obs = SimpleNamespace(layout=Layout(B, 16, 8), tracks=tracks, evicted=0, store=SimpleNamespace(entries={}),
-                          last_view=None)
+                          last_view=None, probing=False)
     obs.pending_loads = lambda: []
     return obs
 

@@ -212,3 +212,84 @@ def test_a_declaration_other_than_the_checks_is_said_in_the_result():
     assert any("tested against its own declaration" in n for n in res.notes), res.notes
     assert not run_single_check(ReferenceCache, "retention-policy",
                                 RunOptions(examples=2, steps=6, write_reports=False)).notes
+
+
+# -- issue 21 (c): what the probe judges, and what holds what it could not get ----------------
+class QueuesOffloadAtIdle(ReferenceCache):
+    """Decides, when its last request finished, to offload one cached state,
+    and issues the offload with its next plan: until that offload completes
+    the slot is its source, so the next schedule has one slot fewer.  Correct
+    (nothing leaks: the slot comes back when the offload completes)."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.queued: int | None = None  # the slot an offload is decided for
+        self.moving: dict[int, int] = {}  # transfer id -> slot
+        self.decided = False  # one offload, once
+        self.leak = False
+
+    def update(self, plan, result):
+        finished = super().update(plan, result)
+        for d in result.transfers:
+            if d.id in self.moving:
+                self.states.free[self.moving.pop(d.id)] = None  # the source is free again
+        if not self.running and not self.waiting and not self.decided and self.states.snap:
+            slot = next(s for s in self.states.snap if s in self.states.free)
+            self.states.free.pop(slot)  # the source of the decided offload, until it completes
+            self.queued, self.decided = slot, True
+            if self.leak:
+                self.states.free.popitem()  # and one slot never comes back
+        return finished
+
+    def schedule(self, budget):
+        plan = super().schedule(budget)
+        if self.queued is None:
+            return plan
+        from dataclasses import replace
+
+        from conformance.contract import Transfer
+
+        t = Transfer(10_000 + self.queued, "offload", "state", f"queued:{self.queued}", self.queued)
+        self.moving[t.id], self.queued = self.queued, None
+        return replace(plan, transfers=plan.transfers + (t,))
+
+
+class QueuesOffloadAndLeaks(QueuesOffloadAtIdle):
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.leak = True
+
+
+def test_a_slot_an_offload_holds_at_the_probe_is_no_leak(model, oracle):
+    """Failed before the probe counted its step's transfers: 'lifetime: at
+    idle, 7 of 8 ... KV blocks or state slots are held by nothing (leaked)'."""
+    s = judged_session(QueuesOffloadAtIdle, CFG, model, oracle, timeout=10)
+    s.apply(Submit("a", tuple(range(1, 10)), 1))
+    s.apply(Drain(1024))
+    s.apply(Probe(kv_tokens=0, concurrent=CFG.num_state_slots, expect=CFG.num_state_slots))
+
+
+def test_the_probe_names_the_transfers_that_held_what_it_could_not_get(model, oracle):
+    s = judged_session(QueuesOffloadAndLeaks, CFG, model, oracle, timeout=10)
+    s.apply(Submit("a", tuple(range(1, 10)), 1))
+    s.apply(Drain(1024))
+    with pytest.raises(ConformanceFailure, match=r"6 of 8 .* schedules 8; transfers of that step or in flight "
+                                                 r"held 1 \(state slot \d+ \(offload\)\), and 1 more: KV blocks or "
+                                                 r"state slots are held by nothing \(leaked\)"):
+        s.apply(Probe(kv_tokens=0, concurrent=CFG.num_state_slots, expect=CFG.num_state_slots))
+
+
+def test_the_probes_requests_are_held_to_no_declared_policy(model, oracle):
+    """The probe's requests count in no coverage and no metric, and are held to
+    no retention policy either (conformance/judge/retention.py): its long
+    request, sized to the whole pool, reaches more block boundaries than any
+    cache has slots.  Failed before: a hit-rate failure inside the probe."""
+    from whole_block_cache import WholeBlockCache
+
+    class KeepsNoStepEnd(WholeBlockCache):
+        hand_over = False
+
+    cfg = ImplConfig(block_size=4, num_kv_blocks=64, num_state_slots=24)
+    s = judged_session(KeepsNoStepEnd, cfg, model, oracle, families=("hit-rate",), timeout=10)
+    s.apply(Probe(kv_tokens=248, concurrent=0, expect=0))  # ends on a boundary: 62 checkpoints, 24 slots
+    assert s.coverage["requests"] == 0

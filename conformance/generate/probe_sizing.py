@@ -27,7 +27,10 @@ message names the held prefix, see :mod:`conformance.judge.lifetime`).
 
 Calibration runs without checkers and without environment faults; an
 implementation that fails or raises while being measured is probed only as
-far as the measurement got (its check reports the failure itself).
+far as the measurement got (its check reports the failure itself).  One that
+hangs is not measured further: the timeout is raised (the check reports it,
+once: a fresh instance hung serving what the generator's budget allows),
+never waited out again for each size the search would try.
 """
 
 from __future__ import annotations
@@ -56,10 +59,16 @@ def pool_probe(factory, impl_config: ImplConfig, model: TinyHybrid, oracle: Orac
     return _MEMO[key]
 
 
+def _hung(exc: Exception) -> None:
+    if isinstance(exc, ImplementationError) and exc.kind == "timeout":
+        raise ImplementationError("timeout", f"while the pool probe was sized on a fresh instance: {exc}") from None
+
+
 def _fresh(factory, impl_config, model, oracle, timeout) -> Session | None:
     try:
         session = make_session(factory, impl_config, model, oracle, [], timeout=timeout)
-    except (ConformanceFailure, ImplementationError, TypeError):
+    except (ConformanceFailure, ImplementationError, TypeError) as exc:
+        _hung(exc)
         return None
     session.runner.dry = True  # capacity only: no model runs, nothing is judged
     return session
@@ -79,8 +88,8 @@ def _calibrate(factory, impl_config, model, oracle, timeout) -> Probe | None:
         plan = session.last_plan
         expect = len(plan.requests) if plan is not None else 0
         session.apply(Drain(1024))
-    except (ConformanceFailure, ImplementationError):
-        pass
+    except (ConformanceFailure, ImplementationError) as exc:
+        _hung(exc)
 
     def serves(blocks: int) -> bool:
         fresh = _fresh(factory, impl_config, model, oracle, timeout)
@@ -91,7 +100,8 @@ def _calibrate(factory, impl_config, model, oracle, timeout) -> Probe | None:
             fresh.apply(Submit("kv", prompt, 1))
             fresh.apply(Drain(1024))
             return True
-        except (ConformanceFailure, ImplementationError):
+        except (ConformanceFailure, ImplementationError) as exc:
+            _hung(exc)
             return False
 
     most = lay.num_kv_blocks - 1  # the generator's budget for one request alone

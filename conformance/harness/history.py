@@ -102,6 +102,10 @@ class Judged:
 class TransferCompleted:
     kind: ClassVar[str] = "transfer-done"
     done: TransferDone
+    # Loads: whether the bytes that landed are the source bytes of the entry
+    # (the harness knows; the implementation verifies).  None: an offload, or
+    # a load that failed.
+    intact: bool | None = None
 
     @property
     def id(self) -> int:
@@ -113,7 +117,8 @@ class TransferCompleted:
 
     def to_dict(self) -> dict:
         d = self.done
-        return {"event": self.kind, "id": d.id, "ok": d.ok, **({"error": d.error} if d.error else {})}
+        return {"event": self.kind, "id": d.id, "ok": d.ok, **({"error": d.error} if d.error else {}),
+                **({"intact": self.intact} if self.intact is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -263,8 +268,8 @@ class History:
         self.events.append(Judged(rs.request_id, rs.start, rs.end, verdict.ok, verdict.max_rel_error, reads,
                                   verdict.first_bad_position, worker))
 
-    def completed(self, done: TransferDone) -> None:
-        self.events.append(TransferCompleted(done))
+    def completed(self, done: TransferDone, intact: bool | None = None) -> None:
+        self.events.append(TransferCompleted(done, intact))
 
     def fault(self, name: str, transfer: Transfer | DisaggTransfer | None, what: str, transport: str = "") -> None:
         self.events.append(FaultFired(name, what, transfer, transport))

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from conformance.contract import CacheView, ContractError, StepPlan, StepResult
+from conformance.contract import CacheView, ContractError, Layout, StepPlan, StepResult
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Scheduled, StepRecord
+from conformance.harness.conflicts import plan_conflicts
 
 if TYPE_CHECKING:
     from conformance.harness.checker import CheckerSet
@@ -40,6 +41,7 @@ class Stepping:
         runner: Runner
         speculator: Speculator
         tracks: dict[str, Track]
+        layout: Layout
         step_no: int
         _stalled: int
         last_view: CacheView | None
@@ -146,10 +148,14 @@ class Stepping:
 
     def _record_transfers(self) -> None:
         for done in self.runner.completed:
-            self.history.completed(done)
+            self.history.completed(done, self.runner.transport.intact.pop(done.id, None))
 
     def _validate(self, plan: StepPlan) -> None:
+        seen: set[str] = set()
         for rs in plan.requests:
+            if rs.request_id in seen:
+                raise ConformanceFailure("contract", f"request {rs.request_id} scheduled twice in one step")
+            seen.add(rs.request_id)
             track = self.tracks.get(rs.request_id)
             if track is None or track.done:
                 raise ConformanceFailure("contract", f"scheduled {rs.request_id!r}, which is not active")
@@ -161,3 +167,8 @@ class Stepping:
                 raise ConformanceFailure("contract", f"{rs.request_id}: step starts at {rs.start}, but only "
                                                      f"{track.computed} tokens were computed")
             self.speculator.validate(rs, track)
+        problems = plan_conflicts(plan, self.layout.block_size, {rs.request_id: self.tracks[rs.request_id].tokens
+                                                                 for rs in plan.requests})
+        if problems:  # memory two requests of the step contend for (conformance/harness/conflicts.py)
+            more = f" (+{len(problems) - 2} more)" if len(problems) > 2 else ""
+            raise ConformanceFailure("contract", "; ".join(problems[:2]) + more)

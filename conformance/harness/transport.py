@@ -57,6 +57,10 @@ def checksum(tensors: dict[str, torch.Tensor]) -> str:
 class HostEntry:
     payload: Payload
     checksum: str  # of the source bytes, computed before they left the device
+    # Whether the bytes stored are the source bytes (False: the offload was
+    # corrupted or cut short in flight).  The harness's own knowledge: no load
+    # of such an entry can verify, so no correct cache can reuse it.
+    intact: bool = True
 
 
 class HostStore:
@@ -143,6 +147,11 @@ class Transport:
     executed: int = 0
     succeeded: dict = field(default_factory=lambda: {"offload": 0, "load": 0})  # completions reporting ok
     loaded_states: set = field(default_factory=set)  # prefixes of the states loads brought to the device
+    # Per completed load: whether the bytes that landed are the source bytes
+    # the store was given at offload (False: broken on the wire, or a copy
+    # broken at rest, or another entry's bytes).  A verifying cache rejects
+    # exactly these; the expected-hit oracle excuses their requests.
+    intact: dict = field(default_factory=dict)
     # Fault firings awaiting consumption (see Firing): by the transfer they fired on
     # (until it completes), by host key (an offload's stored bytes, until loaded),
     # by load id (its landed bytes, until read) and by request (until computed).
@@ -185,6 +194,7 @@ class Transport:
                 payload = self.read(t.kind, t.device)
                 entry = HostEntry(payload, checksum(payload.tensors))
                 entry.payload = self._fly(t, payload.clone())
+                entry.intact = checksum(entry.payload.tensors) == entry.checksum
                 if any(hook.refuse_offload(self, t) for hook in self.hooks) or not self.store.put(t.key, entry):
                     return TransferDone(t.id, False, error="host store full")
                 return TransferDone(t.id, True, entry.checksum)
@@ -200,7 +210,8 @@ class Transport:
             origin[t.device] = t.id
             landed = self.read(t.kind, t.device)
             done = TransferDone(t.id, True, checksum(landed.tensors))
-            if t.kind == "state" and done.checksum == found.checksum:  # arrived whole and intact
+            self.intact[t.id] = done.checksum == found.checksum
+            if t.kind == "state" and self.intact[t.id]:  # arrived whole and intact
                 self.loaded_states.add(landed.prov["ssm"])
             return done
         except TransferFailed as exc:

@@ -13,12 +13,18 @@ Counters whose names promise an order or a cause count exactly that:
   step -- reuse that survived pressure, not a hit and an eviction anywhere;
 - ``tier_hits``: a prefix hit whose step read bytes a tier load landed (a
   KV block or the state slot of the hit, by the load's id in memory, copies
-  included) -- a hit served by the second tier, not any load and any hit.
+  included) -- a hit served by the second tier, not any load and any hit;
+- ``tier_recoveries``: the first step of a request a load of which came back
+  failed or with bytes other than its entry's (the record's
+  ``TransferCompleted.intact``, which the transport sets):
+  the request went on after the tier failed it (the logits judged how).
+  What environment faults leave of ``tier_hits`` where they break most loads.
 """
 
 from __future__ import annotations
 
 from conformance.harness.checker import Checker
+from conformance.harness.history import TransferCompleted
 
 # Counters every run reports; checkers of other concerns add their own.
 COUNTERS = ("steps", "requests", "prefix_hits", "mid_block_hits", "snapshot_reuse", "multi_turn_hits",
@@ -29,6 +35,11 @@ COUNTERS = ("steps", "requests", "prefix_hits", "mid_block_hits", "snapshot_reus
 
 class CoverageCounter(Checker):
     name = "coverage"
+
+    def __init__(self):
+        super().__init__()
+        self._seen = 0  # events of the record read for broken loads
+        self._broken: set = set()
 
     def attached(self, obs):
         for key in COUNTERS:
@@ -65,8 +76,21 @@ class CoverageCounter(Checker):
 
     def computed(self, obs, executed):
         rs = executed.step
-        if not obs.probing and obs.tracks[rs.request_id].computed is None and rs.start > 0:
-            self.count("tier_hits", bool(executed.loads_read))
+        if not obs.probing and obs.tracks[rs.request_id].computed is None:
+            if rs.start > 0:
+                self.count("tier_hits", bool(executed.loads_read))
+            if rs.request_id in self._broken_loads(obs):  # (counted only there: most runs move nothing)
+                self.count("tier_recoveries")
+
+    def _broken_loads(self, obs) -> set:
+        """Requests a load of which completed failed or not intact (from the record)."""
+        for ev in obs.history.since(self._seen):
+            if isinstance(ev, TransferCompleted) and (not ev.ok or ev.intact is False):
+                t = obs.history.issued(ev.id)
+                if t is not None and t.direction == "load":
+                    self._broken.add(t.request_id)
+        self._seen = len(obs.history.events)
+        return self._broken
 
     def settled(self, obs, ev):
         done = obs.transfers_succeeded

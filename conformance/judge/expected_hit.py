@@ -34,17 +34,24 @@ that ends inside a block counts every token).  Two verdicts:
   (``invariant``), whatever the logits say.
 
 The coverage counter ``remote_expected`` counts the admissions whose
-expectation only the host tier could meet (remote longer than local).
+expectation only the host tier could meet (remote longer than local);
+``remote_excused`` those the host tier would have decided had a load of the
+request not come back broken (below): where environment faults break most
+transfers, the second is what a run under them can reach.
 
 The remote part is excused, not failed, where a correct implementation could
 not have reused it, and only there:
 
-- a load of the request came back failed, short or missing (a fault or a
-  ``Deliver``/``StoreEvict`` decision fired on it): a correct cache may give
-  a request one round of loads (so that a failing tier cannot starve it) and
-  recompute.  The host copy such a load read is not counted for any later
-  request either (a correct cache may stop trusting a copy that once came
-  back bad), but a later offload under the same key is a new copy, and held;
+- a load of the request came back failed, missing, or with bytes other
+  than the entry's source bytes (short, corrupted, another entry's; broken
+  on the wire, or a copy its offload broke: the transport marks each
+  completed load ``intact`` or not): a correct cache may give a request one
+  round of loads (so that a failing tier cannot starve it) and recompute.
+  The host copy such a load read is not counted for any later request
+  either (a correct cache may stop trusting a copy that once came back bad),
+  but a later offload under the same key is a new copy, and held.  A copy
+  whose offload broke it (``HostEntry.intact`` false) is held for no one:
+  no load of it can verify.  A load that only completes late is not broken;
 - the device had no room to bring it in at one of the request's schedules
   (:meth:`ExpectedHit._room`): destinations for the blocks and the state the
   device lacks, plus a block and a slot for the request itself, out of the
@@ -69,10 +76,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from conformance.contract import Transfer
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
-from conformance.harness.history import FaultFired, TransferCompleted
+from conformance.harness.history import TransferCompleted
 from conformance.judge.retention import declared_retention
 from conformance.judge.reuse import HeldAcross, LookupWindow
 
@@ -86,6 +92,8 @@ class StoreIndex:
         self.kv: set[Prefix] = set()  # prefixes whose last full block an entry holds
         self.states: set[Prefix] = set()
         for key, entry in store.entries.items():
+            if not getattr(entry, "intact", True):  # its bytes broke on the way in: no load of it verifies
+                continue
             if distrusted and distrusted.get(key) is entry:  # the very copy a broken load read
                 continue
             prov = entry.payload.prov
@@ -199,16 +207,18 @@ class ExpectedHit(Checker):
         return free_kv >= to_load_kv + 1 and free_state >= to_load_state + 1
 
     def _note_broken_loads(self, obs) -> None:
-        """Requests whose loads a fault or a decision broke (from the history),
-        and the host copies those loads read."""
+        """Requests whose loads came back broken (from the record: a load that
+        failed, or whose bytes are not the entry's source bytes, whether the
+        wire broke them, the store answered with other bytes or the copy
+        itself broke at its offload), and the host copies those loads read.
+        By what landed, not by which fault fired: a fault on an offload breaks
+        the load that reads its copy back, and a late completion
+        (``transfer-reorder``, a delayed ``Deliver``) breaks nothing."""
         history = obs.history
         store = obs.store
         for ev in history.since(self.seen_events):
             broken: tuple[str | None, str | None] | None = None
-            if isinstance(ev, FaultFired) and isinstance(ev.transfer, Transfer) and ev.transfer.direction == "load":
-                if not ev.what.startswith("decided: ok"):
-                    broken = ev.transfer.request_id, ev.transfer.key
-            elif isinstance(ev, TransferCompleted) and not ev.ok:
+            if isinstance(ev, TransferCompleted) and (not ev.ok or ev.intact is False):
                 broken = self._owner(history, ev.id)
             if broken is not None:
                 rid, key = broken
@@ -228,7 +238,7 @@ class ExpectedHit(Checker):
     # -- phases ---------------------------------------------------------------------------
     def scheduled(self, obs, ev) -> None:
         plan, view = ev.plan, ev.view
-        if self.decl is None:
+        if self.decl is None or obs.probing:  # held to no reuse (judge/retention.py, FAMILIES)
             return
         if not plan.requests:  # no step follows: the local window sees this schedule here
             self.window.look(obs, obs.last_view, view)
@@ -254,13 +264,17 @@ class ExpectedHit(Checker):
                                                   f"memory held for it: {executed.reads}")
 
     def stepped(self, obs, record) -> None:
-        if self.decl is None:
+        if self.decl is None or obs.probing:
             return
         self._note_broken_loads(obs)
         floors = self.window.observe(obs, record.plan, record.view_before)
         for rid, (_kv, local) in floors.items():
             rs = next(r for r in record.plan.requests if r.request_id == rid)
             remote = self.remote_floor.pop(rid, 0)
+            if rid in self.excused and remote > local:
+                # the host tier would have decided it, but a load broke: the
+                # situation an environment fault is about (coverage under faults)
+                self.count("remote_excused")
             if rid in self.excused or remote < 0:
                 remote = 0
             expected = max(local, remote)

@@ -66,6 +66,8 @@ class HardHistoryCoverage(Checker):
             self.coverage.setdefault(key, 0)
 
     def submitted(self, obs, ev):
+        if obs.probing:  # the pool probe's requests are the harness's, not the check's situations
+            return
         request = ev.request
         B, prompt = obs.layout.block_size, request.prompt
         evicted = obs.evicted
@@ -107,6 +109,8 @@ class HardHistoryCoverage(Checker):
         return local % B != 0 and longest_held(prompt, here, StoreIndex(store, B), B, B) > local
 
     def scheduled(self, obs, ev):
+        if obs.probing:
+            return
         plan, view = ev.plan, ev.view
         B = obs.layout.block_size
         cold: dict[tuple[int, ...], int] = {}

@@ -9,7 +9,10 @@ scheduled, and a part that could not be served (its drain stalled).
 - Concurrent: ``probe.concurrent`` short requests submitted together must be
   scheduled at least ``probe.expect`` at a time (a fresh instance's figure).
   Inconclusive when a probe request reuses a cached prefix or waits for a
-  load: a correct cache may then pin more, or admit later.
+  load: a correct cache may then pin more, or admit later.  A block or slot
+  a transfer holds (of that step: an offload the cache queued at idle; or a
+  load still in flight) is held, not leaked: each may keep one request out,
+  and the message names them.
 - Served: every part must finish.  Not only a leak starves the long request:
   a cache whose hit on a held prefix needs more of the pool than recomputing
   (a copy-on-write of a partial block) and that never recomputes instead
@@ -30,19 +33,26 @@ class PoolProbeServed(Checker):
 
     def probed(self, obs, ev):
         if isinstance(ev, ProbeStep):
-            self._scheduled_together(ev)
+            self._scheduled_together(obs, ev)
         elif isinstance(ev, ProbeStall):
             self._not_served(obs, ev)
 
     @staticmethod
-    def _scheduled_together(ev: ProbeStep) -> None:
+    def _scheduled_together(obs, ev: ProbeStep) -> None:
         plan, ids, expect = ev.plan, ev.ids, ev.probe.expect
         ran = [rs for rs in plan.requests if rs.request_id in ids]
         reused = any(rs.start > 0 for rs in ran) or any(t.direction == "load" for t in plan.transfers)
-        if len(ran) < expect and not reused:
+        moving = sorted({(t.kind, t.device, t.direction) for t in (*plan.transfers, *obs.pending_loads())})
+        if len(ran) + len(moving) < expect and not reused:
+            holders = ""
+            if moving:
+                what = ", ".join(f"{'KV block' if k == 'kv' else 'state slot'} {d} ({direction})"
+                                 for k, d, direction in moving[:4]) + (" ..." if len(moving) > 4 else "")
+                holders = (f"; transfers of that step or in flight held {len(moving)} ({what}), and "
+                           f"{expect - len(ran) - len(moving)} more")
             raise ConformanceFailure("invariant", f"lifetime: at idle, {len(ran)} of {len(ids)} {SHORT_LEN}-token "
                                                   f"requests submitted together were scheduled in one step; a fresh "
-                                                  f"instance schedules {expect}: {LEAKED}")
+                                                  f"instance schedules {expect}{holders}: {LEAKED}")
 
     @staticmethod
     def _not_served(obs, ev: ProbeStall) -> None:

@@ -58,6 +58,15 @@ from conformance.judge.reuse import INDEXES, LookupWindow, ViewIndex
 
 FAMILIES = ("retention", "hit-rate")
 
+# The pool probe's requests (``obs.probing``) are held to no declared
+# policy, as they are counted in no coverage and no metric: they are the
+# harness's instrument, not the check's workload.  Its steps are dry (nothing
+# computed), its long request is sized to the whole KV pool (beyond the
+# generator's budget, for which these rules' room is reasoned), and it runs
+# after a sample of the examples, so a policy verdict there would depend on
+# the sample.  What is certain on any cache still judges them: the contract,
+# the memory invariants and the probe's own lifetime verdict.
+
 
 def declared_retention(obs) -> dict | None:
     """The implementation's declared policy, validated; None if it declares none."""
@@ -89,7 +98,7 @@ def declared_retention(obs) -> dict | None:
             "junctions": units["junctions"], "interval_at": interval_at, "tier_unit": units["tier_unit"]}
 
 
-def state_room(view: CacheView | None, slots: int) -> int:
+def state_room(view: CacheView | None, slots: int, spent: frozenset[int] = frozenset()) -> int:
     """The state slots a cache had for new checkpoints after a step: those
     the view states (``state_refcounts``) that no running request holds,
     free or holding a cached state it may replace.  Where one pool serves KV
@@ -103,13 +112,21 @@ def state_room(view: CacheView | None, slots: int) -> int:
     could fail a correct cache.  Where every slot is stated (the reference: its own slot
     pool) this is exactly ``slots`` minus those held; it never exceeds that
     figure, so it never fails a cache the old one passed.  A view that states
-    no state refcounts tells nothing: ``slots``."""
+    no state refcounts tells nothing: ``slots``.
+
+    ``spent``: the running slots of requests that finished in the step with a
+    final state the policy does not keep.  They are free after the step, but
+    while it ran they held the running state, to its end: no cache could have
+    kept one of the step's checkpoints there (251 tokens in one step through
+    62 block boundaries, with 24 slots: one runs the request, 23 is the most
+    any cache holds).  A running slot whose final state is an admitted
+    checkpoint is room: a cache keeps it by handing the slot over."""
     if view is None or not view.state_refcounts:
-        return slots
+        return slots - len(spent)
     cached = {e.slot for e in view.cached_states}
     running = sum(1 for s, r in view.state_refcounts.items() if r > 0 and s not in cached)
-    unheld = sum(1 for s, r in view.state_refcounts.items() if 0 <= s < slots and (r <= 0 or s in cached))
-    return min(slots - running, unheld)
+    unheld = {s for s, r in view.state_refcounts.items() if 0 <= s < slots and (r <= 0 or s in cached)}
+    return min(slots - running - len(unheld & spent), len(unheld - spent))
 
 
 class RetentionChecker(Checker):
@@ -174,7 +191,7 @@ class RetentionChecker(Checker):
         self.load(obs)
 
     def stepped(self, obs, record) -> None:
-        if self.decl is None:
+        if self.decl is None or obs.probing:  # the pool probe's requests: see FAMILIES
             return
         plan, view_before, finished = record.plan, record.view_before, record.finished
         now = INDEXES.get(obs.last_view, self.B)
@@ -223,7 +240,10 @@ class RetentionChecker(Checker):
                                         f"sighting, but the declared admission is second-hit")
             if admit:
                 wanted.setdefault(prefix, (rid, q, n))
-        self._check_capacity(obs, wanted, now)
+        # running slots that ran a finished request to a state the policy does not keep
+        spent = frozenset(rs.state_slot for rs in plan.requests if rs.request_id in finished
+                          and obs.tracks[rs.request_id].tokens[: rs.end] not in wanted)
+        self._check_capacity(obs, wanted, now, spent)
         # A state loaded from the second tier may be cached: the tier kept it
         # (the harness's own record of what loads brought in, not the view).
         loaded = obs.loaded_states
@@ -233,16 +253,17 @@ class RetentionChecker(Checker):
                 self._fail("retention", f"a state after {len(prefix)} tokens was cached, a position the declared "
                                         f"policy {self._policy()} never checkpoints (or has not admitted yet)")
 
-    def _check_capacity(self, obs, wanted: dict, now) -> None:
+    def _check_capacity(self, obs, wanted: dict, now, spent: frozenset[int] = frozenset()) -> None:
         """Every checkpoint the policy admits is cached right after the step
         that reached it, as far as the cache has room: a step that reaches
         more checkpoints than there are state slots not held by running
-        requests is failed only for holding fewer than it could."""
+        requests (nor spent running a finished one, :func:`state_room`) is
+        failed only for holding fewer than it could."""
         assert self.decl is not None  # asked only of a checker whose implementation declared one
         missing = [(p, info) for p, info in wanted.items() if p not in now.states]
         if not missing:
             return
-        room = state_room(obs.last_view, obs.layout.num_state_slots)
+        room = state_room(obs.last_view, obs.layout.num_state_slots, spent)
         held = len(wanted) - len(missing)
         if held >= min(len(wanted), room):
             self.count("checkpoints_beyond_capacity", len(missing))
@@ -252,7 +273,8 @@ class RetentionChecker(Checker):
         self._fail("hit-rate", f"request {rid}: checkpoint at position {q} ({why}) is not cached after the step, "
                                f"though the declared policy {self._policy()} keeps it (the step reached "
                                f"{len(wanted)} admitted checkpoints and held {held}, with {room} state slots not "
-                               f"held by running requests)")
+                               f"held by running requests" + (" nor spent running a finished one to a state the "
+                                                             "policy does not keep" if spent else "") + ")")
 
     def _junction(self, obs, view_before, track, rs, later=()) -> list[int]:
         """The request's junction: where the KV that other requests had cached

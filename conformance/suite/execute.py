@@ -47,15 +47,34 @@ def check_impl_config(spec: CheckSpec, impl_options: Mapping[str, Any], pools: P
                             options={**spec.options, **tier, **drafts, **impl_options})
 
 
-def real_block_size(factory, impl_config, timeout: float | None):
+class _Hung(Exception):
+    """Asking the implementation before the check hung: the check reports it and calls it no more."""
+
+    def __init__(self, error: ImplementationError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _ask(what: str, fn, *args, timeout: float | None):
+    """A guarded call before the check; a hang ends the check (:class:`_Hung`)."""
+    try:
+        return guarded(what, fn, *args, timeout=timeout)
+    except ImplementationError as exc:
+        if exc.kind == "timeout":
+            raise _Hung(exc) from None
+        raise
+
+
+def real_block_size(factory, impl_config, timeout: float | None, impl=None):
     """The configuration with the block size the implementation really uses
     (``layout()``: an engine may raise the one asked for, as vLLM raises a
     hybrid model's attention block to hold a Mamba page), so that the
     generator draws prompt lengths and budgets around the real blocks.  The
-    same configuration when it keeps the block size asked for."""
+    same configuration when it keeps the block size asked for.  ``impl``: an
+    instance built with ``impl_config`` already (built here otherwise)."""
     try:
-        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
-        block_size = guarded("layout()", impl.layout, timeout=timeout).block_size
+        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
+        block_size = _ask("layout()", impl.layout, timeout=timeout).block_size
     except ImplementationError:
         return impl_config  # the check builds it again and reports the error, with context
     return impl_config if block_size == impl_config.block_size else replace(impl_config, block_size=block_size)
@@ -64,31 +83,32 @@ def real_block_size(factory, impl_config, timeout: float | None):
 _UNKNOWN = object()  # building the implementation failed: the check reports it itself
 
 
-def engine_config(factory, impl_config, timeout: float | None) -> dict:
+def engine_config(factory, impl_config, timeout: float | None, impl=None) -> dict:
     """What the implementation, built with this configuration, says it was
     started with (optional ``engine_config()``, see conformance/contract.py);
-    empty when it says nothing or cannot be built (the check reports that)."""
+    empty when it says nothing or cannot be built (the check reports that).
+    ``impl``: an instance built with ``impl_config`` already (built here otherwise)."""
     if isinstance(factory, type) and not callable(getattr(factory, "engine_config", None)):
         return {}
     try:
-        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
         describe = getattr(impl, "engine_config", None)
-        return dict(guarded("engine_config()", describe, timeout=timeout)) if callable(describe) else {}
+        return dict(_ask("engine_config()", describe, timeout=timeout)) if callable(describe) else {}
     except ImplementationError:
         return {}
 
 
-def _declared_retention(factory, impl_config, timeout: float | None):
+def _declared_retention(factory, impl_config, timeout: float | None, impl=None):
     """The retention policy the implementation, built with this
     configuration, declares (an engine may declare one for some settings
     only): a dict, None when it declares none, ``_UNKNOWN`` when it could
-    not be asked."""
+    not be asked.  ``impl``: an instance built with ``impl_config`` already."""
     if isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
         return None
     try:
-        impl = guarded("building the implementation", factory, impl_config, timeout=timeout)
+        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
         retention = getattr(impl, "retention", None)
-        return guarded("retention()", retention, timeout=timeout) if callable(retention) else None
+        return _ask("retention()", retention, timeout=timeout) if callable(retention) else None
     except ImplementationError:
         return _UNKNOWN  # the check itself builds it again and reports the error, with context
 
@@ -127,13 +147,29 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
         return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no speculative decoding (no spec_option class attribute)")
-    impl_config = real_block_size(
-        factory, check_impl_config(spec, run.impl_options, run.pools, tier_option, spec_option), run.timeout)
-    started_with = engine_config(factory, impl_config, run.timeout)
+    asked = check_impl_config(spec, run.impl_options, run.pools, tier_option, spec_option)
+    if spec.observe and isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
+        return _no_retention(spec, asked)  # known without building it (its options may not be this check's)
+    try:
+        # One instance answers both questions when it keeps the block size asked
+        # for (building an engine twice costs seconds); a hang ends the check here.
+        built = _ask("building the implementation", factory, asked, timeout=run.timeout)
+    except _Hung as hung:
+        return _abandoned(spec, hung.error)
+    except ImplementationError:
+        built = None  # the check builds it again and reports the error, with context
     notes: list[str] = []
-    declared = None
+    declared = None if built is not None else _UNKNOWN
+    try:
+        impl_config = real_block_size(factory, asked, run.timeout, built) if built is not None else asked
+        started_with = engine_config(factory, impl_config, run.timeout, built if impl_config is asked else None) \
+            if built is not None else {}
+        if (spec.observe or spec.observe_when_declared) and built is not None:
+            declared = _declared_retention(factory, impl_config, run.timeout,
+                                           built if impl_config is asked else None)
+    except _Hung as hung:
+        return _abandoned(spec, hung.error)
     if spec.observe:
-        declared = _declared_retention(factory, impl_config, run.timeout)
         note = retention_note(impl_config.options, declared)
         if note:
             notes.append(note)
@@ -145,14 +181,11 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     why = ("the implementation declares no tier unit (retention()['tier_unit']): the expected-hit oracle "
            "cannot judge what it reuses from its second tier",) if untiered else ()
     notes.extend(why)
-    if spec.observe_when_declared and _declared_retention(factory, impl_config, run.timeout) is None:
+    if spec.observe_when_declared and declared is None:
         notes.append(f"the implementation declares no retention policy: {', '.join(spec.observe_when_declared)} "
                      f"did not judge this check")
     if spec.observe and declared is None:
-        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
-                           options=parse_variant_id(spec.id)[1],
-                           reason=f"the implementation declares no retention policy (optional retention() "
-                                  f"method) for the options {impl_config.options}")
+        return _no_retention(spec, impl_config)
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
                                                     operations=r.steps, of=run.examples))
     cache_metrics = CacheMetrics()
@@ -176,12 +209,14 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     started = time.perf_counter()
     outcome = run_machine(test, recorder)
     status, failure = outcome.status, outcome.failure
-    if failure is not None and failure.kind != FailureKind.HARNESS and run.shrink in ("ops", "hypothesis+ops") \
-            and failure.operations:
+    # A hang is not replayed: each replay would wait out the timeout again
+    # (the repro keeps the example's operations as they ran).
+    if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT) \
+            and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
         minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
     met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)
     if status == "passed":
-        failure = coverage_failure(spec, recorder, outcome.examples, why)
+        failure = coverage_failure(spec, recorder, outcome.examples, why, faulted=env is not None)
         status = "failed" if failure is not None else status
     if status == "passed" and met:
         # Only known defects: the check fails with the first, which triage names.
@@ -213,6 +248,19 @@ def known_defects_met(recorder: Recorder, factory, spec: CheckSpec, impl_config,
                                                          spec.observe, known, run.timeout)
         out.append(known_entry(met, operations, message, events))
     return out
+
+
+def _no_retention(spec: CheckSpec, impl_config) -> CheckResult:
+    return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                       options=parse_variant_id(spec.id)[1],
+                       reason=f"the implementation declares no retention policy (optional retention() "
+                              f"method) for the options {impl_config.options}")
+
+
+def _abandoned(spec: CheckSpec, error: ImplementationError) -> CheckResult:
+    """The check's result when the implementation hung before its first example."""
+    return CheckResult(id=spec.id, family=spec.family, status="error", description=spec.description,
+                       options=parse_variant_id(spec.id)[1], failure=Failure(kind=error.kind, message=str(error)))
 
 
 def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, res: Resources,

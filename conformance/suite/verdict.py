@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hypothesis.statistics import collector
 
-from conformance.errors import ConformanceFailure, FailureKind, ImplementationError, UsageError
+from conformance.errors import Abandoned, ConformanceFailure, FailureKind, ImplementationError, UsageError
 from conformance.generate.machine import Recorder, stable_draws
 from conformance.generate.spec import CheckSpec
 from conformance.results.records import Failure
@@ -36,7 +36,10 @@ def run_machine(test: Callable[[], None], recorder: Recorder) -> MachineOutcome:
         # Hypothesis reports each run's statistics to this collector (what its pytest plugin prints);
         # its type says None because that is its default value.
         with stable_draws(), collector.with_value(stats.append):  # type: ignore[arg-type]
-            test()
+            try:
+                test()
+            except Abandoned as abandoned:  # a hang: no example replayed, the implementation not called again
+                raise abandoned.error from None
     except (ConformanceFailure, ImplementationError) as exc:
         status = "error" if isinstance(exc, ImplementationError) else "failed"
         steps, events = (recorder.failure[1], recorder.failure[2]) if recorder.failure else ([], [])
@@ -72,11 +75,41 @@ def examples_of(stats: list[dict]) -> int | None:
     return total
 
 
+# Counters whose situation needs a transfer to arrive intact, each with the
+# counter of the same situation where a load came back broken.  Environment
+# faults break transfers by chance (``transfer-fail`` at p=1 breaks every
+# one): a run under them is asked for the situation, intact or broken, never
+# for what only an intact wire can give, and the result says which it got.
+BROKEN_BY_FAULTS = {
+    # an admission only the host tier could serve (expected-hit oracle): judged,
+    # or excused because a load of the request broke and it recomputed
+    "remote_expected": "remote_excused",
+    # a prefix hit served by a tier load, or a request that went on after its load broke
+    "tier_hits": "tier_recoveries",
+    # the same, where the loaded hit is longer than the local one (memory_coverage):
+    # a load broken on its way has no length to compare, so the recovery stands for it too
+    "tier_hits_over_local": "tier_recoveries",
+}
+
+
 def coverage_failure(spec: CheckSpec, recorder: Recorder, examples: int | None = None,
-                     why: tuple[str, ...] = ()) -> Failure | None:
+                     why: tuple[str, ...] = (), faulted: bool = False) -> Failure | None:
     """A check whose situation never occurred proves nothing: it fails.
-    ``why``: what the run already knows of the cause (said after the counters)."""
-    missing = [c for c in spec.required if recorder.coverage.get(c, 0) == 0]
+    ``why``: what the run already knows of the cause (said after the counters).
+    ``faulted``: the run injected environment faults (``BROKEN_BY_FAULTS``;
+    a counter met only by its broken counterpart is noted in the result)."""
+    cov = recorder.coverage
+    missing = []
+    for c in spec.required:
+        if cov.get(c, 0):
+            continue
+        broken = BROKEN_BY_FAULTS.get(c) if faulted else None
+        if broken is not None and cov.get(broken, 0):
+            recorder.notes.add(f"under environment faults {c} stayed at 0: every such situation had a transfer "
+                               f"the faults broke ({broken}={cov[broken]}); the recovery was judged, the reuse of "
+                               f"intact transfers was not")
+            continue
+        missing.append(c)
     if not missing:
         return None
     because = "".join(f"; {w}" for w in why)

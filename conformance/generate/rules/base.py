@@ -14,7 +14,7 @@ from hypothesis import note
 from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from conformance.contract import ImplConfig
-from conformance.errors import ConformanceFailure, ImplementationError
+from conformance.errors import Abandoned, ConformanceFailure, ImplementationError
 from conformance.generate import strategies
 from conformance.generate.configured import Conf, configured_rule
 from conformance.generate.probe_sizing import pool_probe
@@ -82,8 +82,12 @@ class MachineBase(RuleBasedStateMachine):
     @configured_rule(first=True, bases=lambda c: strategies.shared_prefixes(c.vocab, c.B, c.spec.max_prompt_blocks))
     def start(self, bases):
         self.bases = bases
-        self.session = make_session(self.impl_factory, self.impl_config, self.model, self.oracle,
-                                    standard_checkers(self.spec.observers), timeout=self.timeout)
+        try:
+            self.session = make_session(self.impl_factory, self.impl_config, self.model, self.oracle,
+                                        standard_checkers(self.spec.observers), timeout=self.timeout)
+        except ImplementationError as exc:
+            self._found(exc)
+            raise
         if self.attach is not None:
             self.attach(self.session)
         if self.enabled("transfers"):  # the wire's timing becomes the generator's (Transfers below)
@@ -103,11 +107,7 @@ class MachineBase(RuleBasedStateMachine):
         except (ConformanceFailure, ImplementationError) as exc:
             if self._absorb_known(exc):
                 return
-            self.failed = True
-            rec = self.recorder
-            rec.failure = (exc, [op_to_dict(o) for o in self.ops], self.session.history.tail(64))
-            if rec.first_failure is None:
-                rec.first_failure = (rec.examples, round(time.perf_counter() - rec.started, 3))
+            self._found(exc)
             raise
         self.finished = [rid for rid, t in self.session.tracks.items() if t.done and t.generated > 0]
 
@@ -120,13 +120,29 @@ class MachineBase(RuleBasedStateMachine):
         note(f"known defect {defect.id} met; the example ends here: {exc}")
         return True
 
+    def _found(self, exc: ConformanceFailure | ImplementationError) -> None:
+        """Record a finding; a hang abandons the check at once (:class:`Abandoned`:
+        no replay of the example, no later call of the implementation)."""
+        self.failed = True
+        rec = self.recorder
+        rec.failure = (exc, [op_to_dict(o) for o in self.ops],
+                       self.session.history.tail(64) if self.session is not None else [])
+        if rec.first_failure is None:
+            rec.first_failure = (rec.examples, round(time.perf_counter() - rec.started, 3))
+        if isinstance(exc, ImplementationError) and exc.kind == "timeout":
+            raise Abandoned(exc) from None
+
     def teardown(self):
         try:
             if self.session is not None and self.probe and not self.failed and not self.stopped \
                     and self._probe_due():
                 # At idle the cache must still serve what a fresh instance serves:
                 # a leaked block or slot fails here, whatever its view says.
-                probe = pool_probe(self.impl_factory, self.impl_config, self.model, self.oracle, self.timeout)
+                try:
+                    probe = pool_probe(self.impl_factory, self.impl_config, self.model, self.oracle, self.timeout)
+                except ImplementationError as exc:  # a fresh instance hung while it was measured
+                    self._found(exc)
+                    raise
                 if probe is not None:
                     self.apply(probe)
         finally:

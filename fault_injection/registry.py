@@ -19,6 +19,10 @@ class Mutant:
     # Implementation options the buggy code path needs (a tier, sub-block
     # matching...): runs of this mutant set them unless the user set them.
     options: tuple[tuple[str, object], ...] = ()
+    # Not a bug but a patch of the engine (bug_class "FIX"): the id of the known defect whose cause it
+    # removes (conformance.results.defects).  A run with it must say FIXED for that defect; the
+    # mutants self-check never runs it (there is nothing to catch).
+    fixes: str | None = None
 
     def wrap(self, factory):
         return self.apply(factory)
@@ -27,12 +31,13 @@ class Mutant:
 MUTANTS: dict[str, Mutant] = {}
 
 
-def register(name: str, bug_class: str, target: str = "reference", options: dict | None = None):
+def register(name: str, bug_class: str, target: str = "reference", options: dict | None = None,
+             fixes: str | None = None):
     """Decorator for a function ``factory -> factory``; its docstring is the description."""
 
     def deco(fn):
         MUTANTS[name] = Mutant(name, bug_class, (fn.__doc__ or "").strip(), target, fn,
-                               tuple((options or {}).items()))
+                               tuple((options or {}).items()), fixes)
         return fn
 
     return deco
@@ -49,7 +54,7 @@ def subclass_mutant(base: type, factory, name: str, **methods):
 def instance_mutant(name: str, apply: Callable, default_name: str):
     """A mutant that wraps each built instance (``apply(impl) -> impl``), for engines
     whose objects are patched at run time; the factory keeps the name, version, tier
-    option and speculative option of the one it wraps."""
+    option, speculative option, option checks and warm-up of the one it wraps."""
 
     def wrap(factory):
         def built(config):
@@ -60,6 +65,11 @@ def instance_mutant(name: str, apply: Callable, default_name: str):
         build.version = getattr(factory, "version", "unknown")
         build.tier_option = getattr(factory, "tier_option", None)
         build.spec_option = getattr(factory, "spec_option", None)
+        # what a known defect's conditions are judged on is the engine's, mutant or not
+        build.defect_facts = getattr(factory, "defect_facts", None)
+        # and so are its option checks and one-time set-up (kept out of every call's timeout)
+        build.validate_options = getattr(factory, "validate_options", None)
+        build.warm_up = getattr(factory, "warm_up", None)
         build.__name__ = f"{getattr(factory, '__name__', default_name)}[{name}]"
         return build
 

@@ -80,13 +80,82 @@ def local_tail_kept(adapter):
     return adapter
 
 
+def sub_block_copy_dropped(adapter):
+    """COW: the worker skips the step's copy-on-write block copies
+    (``SchedulerOutput.kv_cache_block_copies``), as a model runner that drops
+    the copy list would: a hit that ends inside a block computes on in a new
+    block that never received the cached partial block's KV or its state.
+    Copies exist only for sub-block hits, so this lives exactly where the
+    known sub-block defects of vLLM 0.33 also fire (MambaMixer2's spec, match
+    unit 1): the suite must name it NEW beside them."""
+    _check(adapter)
+    from dataclasses import replace
+
+    runner = adapter.runner
+    original = runner.to_plan
+
+    def to_plan(so):
+        return replace(original(so), kv_copies=(), state_copies=())
+
+    runner.to_plan = to_plan
+    return adapter
+
+
+def sub_block_hit_one_token_long(adapter):
+    """HIT: the coordinator reports a hit that ends inside a block one token
+    longer than what is cached (an off-by-one in the fine-grained lookup), so
+    the request skips computing a token whose KV and state nobody wrote.  Only
+    sub-block hits end inside a block: the mutant lives where the known
+    sub-block defects also fire, and must be named NEW beside them."""
+    _check(adapter)
+    km = adapter.scheduler.kv_cache_manager
+    coord = km.coordinator
+    original = coord.find_longest_cache_hit
+    B = adapter.opts.block_size
+
+    def find_longest_cache_hit(block_hashes, max_cache_hit_length, *args, **kw):
+        out = original(block_hashes, max_cache_hit_length, *args, **kw)
+        blocks, n, rest = out[0], out[1], out[2:]
+        if n % B and n + 1 <= max_cache_hit_length:
+            n += 1
+        return (blocks, n, *rest)
+
+    coord.find_longest_cache_hit = find_longest_cache_hit  # instance attribute only
+    return adapter
+
+
+def fix_sub_block_boundary_stop(adapter):
+    """FIX: a patch, not a bug.  A prefill chunk that starts inside a block
+    stops at the next block boundary also when the prompt's checkpoint is
+    exported from inside the step (vLLM 0.33's _mamba_block_aligned_split
+    exempts that case), so the column vLLM registers at that boundary holds
+    the state there.  Removes the cause of the known defect
+    subblock-registration: a run with it must say FIXED for that defect."""
+    _check(adapter)
+    sched = adapter.scheduler
+    original = sched._mamba_block_aligned_split
+    B = sched.cache_config.block_size
+
+    def split(request, num_new_tokens, num_new_local_computed_tokens=0, num_external_computed_tokens=0):
+        n = original(request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        boundary = (start // B + 1) * B
+        if start % B and start + n > boundary:
+            return boundary - start
+        return n
+
+    sched._mamba_block_aligned_split = split
+    return adapter
+
+
 VLLM_MUTANTS: dict[str, Callable] = {
     "vllm-state-wrong-position": state_wrong_position,
     "vllm-groups-not-reconciled": groups_not_reconciled,
     "vllm-local-tail-kept": local_tail_kept,
+    "vllm-sub-block-copy-dropped": sub_block_copy_dropped,
+    "vllm-sub-block-hit-one-token-long": sub_block_hit_one_token_long,
+    "vllm-fix-sub-block-boundary-stop": fix_sub_block_boundary_stop,
 }
-
-
 
 
 # The configuration each buggy code path needs to run at all: the tail a
@@ -95,8 +164,15 @@ VLLM_MUTANTS: dict[str, Callable] = {
 # GDN's spec (no prefill checkpoint block): under MambaMixer2's, unmutated vLLM
 # already fails with sub-block matching (docs/vllm-adapter.md, "What it
 # found"), and a mutant is measured only where the real code conforms.
-OPTIONS = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1, "layer": "gdn"}}
+# The sub-block mutants are the opposite case: planted where the known
+# sub-block defects also fire (MambaMixer2's spec, match unit 1), so that the
+# run must tell them apart (known defect vs NEW, docs/reports.md).
+OPTIONS: dict[str, dict] = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1, "layer": "gdn"},
+           "vllm-sub-block-copy-dropped": {"prefix_match_unit": 1},
+           "vllm-sub-block-hit-one-token-long": {"prefix_match_unit": 1},
+           "vllm-fix-sub-block-boundary-stop": {"prefix_match_unit": 1}}
+FIXES = {"vllm-fix-sub-block-boundary-stop": "subblock-registration"}
 
 for _name, _apply in VLLM_MUTANTS.items():
     register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm",
-             options=OPTIONS.get(_name))(instance_mutant(_name, _apply, "vllm"))
+             options=OPTIONS.get(_name), fixes=FIXES.get(_name))(instance_mutant(_name, _apply, "vllm"))

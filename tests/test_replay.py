@@ -5,6 +5,7 @@ and rejects malformed files with exit 2, naming the field."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,27 @@ def test_replay_reproduces_on_the_mutant_and_not_on_the_reference(found, capsys)
     # Another implementation than the file's drops the file's mutant (with a note).
     assert cli(["replay", path, "--impl", "conformance.adapters.reference:ReferenceCache"]) == 0
     assert "not applied" in capsys.readouterr().err
+
+
+def test_a_replay_that_fails_otherwise_than_recorded_does_not_reproduce_it(found, tmp_path, capsys):
+    """REPRODUCED means the recorded failure: the same kind and the same title
+    (numbers and ids aside).  Another failure (an engine that timed out while
+    being built, a new problem on the way) is exit 3, said."""
+    doc = json.loads((Path(found[0]) / "repros" / "mid-block-hits--late-snapshot.json").read_text())
+    recorded = doc["failure"]
+    for failure in ({"kind": "timeout", "message": recorded["message"]},
+                    {"kind": recorded["kind"], "message": "a problem this replay does not meet"}):
+        path = tmp_path / f"{failure['kind']}.json"
+        path.write_text(json.dumps({**doc, "failure": failure}))
+        assert cli(["replay", str(path), "--quiet"]) == 3
+        out = capsys.readouterr().out
+        assert out.startswith("FAILED OTHERWISE") and f"this replay failed with {recorded['kind']}" in out, out
+    # the numbers of the message are the draw's: the same problem at other positions still reproduces it
+    renumbered = {"kind": recorded["kind"], "message": re.sub(r"\d+", "7", recorded["message"])}
+    path = tmp_path / "renumbered.json"
+    path.write_text(json.dumps({**doc, "failure": renumbered}))
+    assert cli(["replay", str(path), "--quiet"]) == 1
+    assert "REPRODUCED" in capsys.readouterr().out
 
 
 def _scenario() -> dict:

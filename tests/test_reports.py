@@ -131,7 +131,7 @@ def test_run_with_a_coverage_expectation_exits_1_on_a_logits_failure(tmp_path, c
 
 def test_expectations_of_skipped_checks():
     """A listed check that was skipped is not as expected; an all-skipped run never is."""
-    from conformance.results.expectations import judge_expectations
+    from conformance.results.triage import judge_expectations
 
     doc = {"engine": "e", "version": "1", "checks": {"a": {"status": "passed"}}}
     run_ = {"checks": [{"id": "a", "status": "skipped", "reason": "no tier"},
@@ -205,8 +205,10 @@ def test_shipped_expectations_are_found_for_each_adapter():
     # The scheduler adapter's and the engine's ids share the file without overlap.
     checks = load_expectations(cpu)["checks"]
     assert checks["mid-block-hits"]["status"] == "failed" and checks["mid-block-hits"]["kind"] == "coverage"
-    granite = checks["engine-mid-block:granite-hybrid-tiny-sharp"]
-    assert granite["status"] == "failed" and granite["kind"] == "raised" and granite["message"] == "IndexError"
+    # the engine's Granite crash is a known defect of the version, no longer pinned to its check id
+    granite = load_expectations(cpu)["defects"]["mamba2-cpu-ssd-no-intermediate-states"]
+    assert granite["kind"] == "raised" and granite["message"] == "IndexError"
+    assert "engine-mid-block:granite-hybrid-tiny-sharp" not in checks
     assert load_expectations(find_expectations("vllm", "0.33.0"))["checks"]["mid-block-hits"]["kind"] == "coverage"
 
 

@@ -229,3 +229,24 @@ def test_room_for_checkpoints_is_the_state_memory_the_view_shows():
                          cached_states=(CachedState(2, c),))
     assert state_room(separate, 8) == 8 - 2
     assert state_room(CacheView(), 8) == 8 and state_room(None, 8) == 8  # nothing stated: the layout
+
+
+def test_a_state_the_schedule_evicted_is_not_held_because_it_registered_the_prefix_elsewhere():
+    """The expected-hit oracle's local floor is what the views before and after
+    one schedule() list as the same entry.  Seen on vLLM (hard-prefixes, GDN,
+    match unit 1, seed 1): a running request's allocation evicted the state at
+    16 (slot 10) in the very schedule that started r13 fresh, and vLLM
+    registered r13's own [0, 16) state in its new slot at allocation; by prefix
+    alone the state at 16 was 'held' and r13's miss a hit-rate failure."""
+    from conformance.contract import CachedKV, CachedState, CacheView
+    from conformance.judge.reuse import HeldAcross
+
+    prompt = tuple(range(1, 27))
+    kv = (CachedKV(1, prompt[:4]), CachedKV(2, prompt[:8]), CachedKV(3, prompt[:12]), CachedKV(4, prompt[:16]))
+    before = CacheView(cached_kv=kv, cached_states=(CachedState(10, prompt[:16]),))
+    after = CacheView(cached_kv=kv, cached_states=(CachedState(24, prompt[:16]),))  # slot 10 went to another request
+    held = HeldAcross(before, after, 4)
+    assert held.kv_servable(prompt) == 16 and held.best_reuse(prompt, 16) == 0
+    kept = HeldAcross(before, CacheView(cached_kv=kv, cached_states=(CachedState(10, prompt[:16]),)), 4)
+    assert kept.best_reuse(prompt, 16) == 16
+    assert HeldAcross(None, after, 4).kv_servable(prompt) == 0  # no view before: nothing was held

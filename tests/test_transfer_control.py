@@ -257,16 +257,16 @@ def test_device_entries_registered_by_the_schedule_itself_are_not_held():
     registered by that plan (vLLM registers the blocks it allocates for a
     step) and its content is not written yet."""
     from conformance.contract import CachedKV, CachedState, CacheView
-    from conformance.judge.expected_hit import DeviceHeld, StoreIndex, longest_held
-    from conformance.judge.reuse import ViewIndex
+    from conformance.judge.expected_hit import StoreIndex, longest_held
+    from conformance.judge.reuse import HeldAcross, ViewIndex
 
     prompt = tuple(range(1, 11))
     kv = tuple(CachedKV(k, prompt[: (k + 1) * 4]) for k in range(2))
-    after = ViewIndex(CacheView(cached_kv=kv, cached_states=(CachedState(0, prompt[:8]),)), 4)
+    view = CacheView(cached_kv=kv, cached_states=(CachedState(0, prompt[:8]),))
     nothing = type("Store", (), {"entries": {}})()
-    assert longest_held(prompt, after, StoreIndex(nothing, 4), 4, 4) == 8  # the view after alone
-    assert longest_held(prompt, DeviceHeld(ViewIndex(None, 4), after), StoreIndex(nothing, 4), 4, 4) == 0
-    assert longest_held(prompt, DeviceHeld(after, after), StoreIndex(nothing, 4), 4, 4) == 8
+    assert longest_held(prompt, ViewIndex(view, 4), StoreIndex(nothing, 4), 4, 4) == 8  # the view after alone
+    assert longest_held(prompt, HeldAcross(None, view, 4), StoreIndex(nothing, 4), 4, 4) == 0
+    assert longest_held(prompt, HeldAcross(view, view, 4), StoreIndex(nothing, 4), 4, 4) == 8
 
 
 class _NoTierUnit(ReferenceCache):

@@ -25,18 +25,21 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from conformance.errors import CompareInputError
-    from conformance.results.compare import compare, format_comparison, format_expectations, load_results
+    from conformance.results.compare import compare, defect_lines, format_comparison, format_expectations, load_results
 
     try:
         old = None if args.old.suffix == ".toml" else load_results(args.old)  # in the order given
         new = load_results(args.new)
         if old is None:
+            from conformance.cli.common import load_expectations_for_cli
+
+            load_expectations_for_cli(args.old)  # every entry validated: a typo check id or a bad defect is exit 2
             text, ok = format_expectations(new, args.old)
             print(text)
             rows = [new]
         else:
             cmp = compare(old, new)
-            print(format_comparison(cmp, str(args.old), str(args.new)))
+            print(format_comparison(cmp, str(args.old), str(args.new), first=defect_lines(cmp)))
             ok = not cmp.regressed
             rows = [old, new]
         rows += [load_results(p) for p in args.more]

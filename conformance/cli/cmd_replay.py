@@ -1,10 +1,12 @@
 """``hybrid-conformance replay FILE``: re-execute a repro file.
 
-Exit codes: 1 the failure reproduces (the witness is printed), 0 it does not,
-2 the file is malformed or cannot run here (the message names the field).
-A replay that times out reproduces only a recorded timeout: a timeout of a
-file that recorded another failure (on a loaded machine, a short --timeout)
-neither reproduces nor clears it, and is said so (exit 2)."""
+Exit codes: 1 the recorded failure reproduces (the witness is printed), 0
+nothing fails, 3 the replay fails otherwise than the file recorded (another
+kind, or another message once numbers and ids are set aside), 2 the file is
+malformed or cannot run here (the message names the field).  A replay that
+times out reproduces only a recorded timeout: a timeout of a file that
+recorded another failure (on a loaded machine, a short --timeout) neither
+reproduces nor clears it, and is said so (exit 2)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from conformance.results.repro import load
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("replay", help="re-execute a repro file; exit 1 if the failure reproduces")
+    p = sub.add_parser("replay", help="re-execute a repro file; exit 1 if its failure reproduces "
+                                                "(3: it fails otherwise)")
     p.add_argument("file", type=Path, help="a repro file (repros/<check>[--<mutant>].json or a scenario)")
     p.add_argument("--impl", default=None,
                    help="implementation to replay against (default: the file's, if it is a named adapter); "
@@ -35,7 +38,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     import torch
 
-    from conformance.suite.replay import replay, witness
+    from conformance.suite.replay import replay, same_failure, witness
 
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only add synchronization
 
@@ -59,12 +62,22 @@ def main(args) -> int:
         raise UsageError(f"{args.file}: the replay timed out {at} ({outcome.message.splitlines()[0][:160]}), but the "
                          f"file records {said}: not reproduced and not cleared; replay with a larger --timeout "
                          f"(now {args.timeout:g} s)")
-    if outcome.reproduced:
+    if outcome.reproduced and same_failure(repro, outcome):
         print(f"REPRODUCED: {label} on {what}")
         if not args.quiet:
             print(witness(repro, outcome))
-            if recorded and recorded != outcome.kind:
-                print(f"\nnote: the file recorded a {recorded} failure; this replay failed with {outcome.kind}")
         return 1
+    if outcome.reproduced:
+        print(f"FAILED OTHERWISE: {label} on {what}: the file records a {recorded} failure"
+              + (f" ({_short(repro.failure.get('message'))})" if repro.failure.get("message") else "")
+              + f"; this replay failed with {outcome.kind}: {_short(outcome.message)}")
+        if not args.quiet:
+            print(witness(repro, outcome))
+        return 3
     print(f"not reproduced: {label} on {what} ({outcome.applied} operations applied, no failure)")
     return 0
+
+
+def _short(message: str | None, n: int = 160) -> str:
+    text = " ".join((message or "").split())
+    return text if len(text) <= n else text[: n - 3] + "..."

@@ -79,7 +79,8 @@ def options_from(args) -> RunOptions:
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
                       block_size=args.block_size, num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots,
                       progress=Progress(), shard=parse_shard(args.shard),
-                      shrink=args.shrink, workers=args.workers, matrix=not args.no_matrix)
+                      shrink=args.shrink, workers=args.workers, matrix=not args.no_matrix,
+                      expectations=args.expectations)
 
 
 def main(args) -> int:
@@ -93,28 +94,19 @@ def main(args) -> int:
         return run_engine(args)
     opts = options_from(args)
     if args.expectations:
-        from conformance.errors import CompareInputError
-        from conformance.results.compare import load_expectations
+        from conformance.cli.common import load_expectations_for_cli
 
-        try:
-            load_expectations(args.expectations)  # a typo should fail now, not after the run
-        except CompareInputError as exc:
-            raise UsageError(str(exc)) from None
+        load_expectations_for_cli(args.expectations)  # a typo should fail now, not after the run (exit 2)
     result = execute(prepare_run(opts))  # every usage error is raised by prepare_run, before any work
     for line in summary_lines(result):
         print(line, file=sys.stderr)
-    expectations = args.expectations
-    if expectations is None and result.implementation != "reference" and not args.mutant:
-        from conformance.results.compare import find_expectations
+    if result.expectations:
+        from conformance.results.triage import format_verdict, judge_file
 
-        build = result.implementation_build
-        expectations = find_expectations(args.impl, result.implementation_version, build=build)
-        if expectations is None:
-            _no_expectations(result, args.impl)
-    if expectations:
-        from conformance.results.compare import format_expectations
-
-        text, as_expected = format_expectations(result.to_dict(), expectations)
-        print(text, file=sys.stderr)
-        return 0 if as_expected and result.checked and not result.interrupted else 1
+        doc = result.to_dict()
+        verdict, exp = judge_file(doc, result.expectations["path"])
+        print(format_verdict(verdict, exp, result.expectations["path"], doc), file=sys.stderr)
+        return 0 if verdict.ok and result.checked and not result.interrupted else 1
+    if result.implementation != "reference" and not args.mutant:
+        _no_expectations(result, args.impl)
     return 0 if result.ok else 1

@@ -12,6 +12,27 @@ from conformance.suite.options import parse_options
 __all__ = ["parse_options"]  # re-exported: the subcommands import it from here
 
 
+def engine_check_ids() -> set[str]:
+    """Every engine-level check id any engine profile plans (an expectations
+    entry for another ``engine-*`` id is a typo)."""
+    from conformance.engine import ALL, PROFILES
+
+    ids = set()
+    for profile in PROFILES.values():
+        for model, variant, families, _options in profile["variants"]:
+            key = model + (f"+{variant}" if variant else "")
+            ids |= {f"engine-{f}:{key}" for f in (*families, *ALL, "reference-agreement")}
+    return ids
+
+
+def load_expectations_for_cli(path):
+    """An expectations file named on the command line, validated with every
+    check id known (usage error, exit 2, for any bad entry)."""
+    from conformance.suite.known import load_for_run
+
+    return load_for_run(path, engine_check_ids())
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1 (argparse turns the ValueError into a one-line usage error)."""
     try:
@@ -83,14 +104,25 @@ class Progress:
             if r.status == "skipped":
                 self._line(f"      skipped: {r.reason or 'no reason given'}")
             if r.failure is not None:
+                known = f"known defect {r.failure.defect}: " if r.failure.defect else ""
                 first = self.said.setdefault(r.failure.message, r.id)
                 if first != r.id:  # a constructor that raises says so once, not once per check
                     head = r.failure.message.splitlines()[0][:160]
-                    self._line(f"      {r.failure.kind}: the same failure as {first} ({head})")
+                    self._line(f"      {known}{r.failure.kind}: the same failure as {first} ({head})")
                 else:
-                    self._line(f"      {r.failure.kind}: {r.failure.message[:300]}")
+                    self._line(f"      {known}{r.failure.kind}: {r.failure.message[:300]}")
                 if r.failure.repro:
                     self._line(f"      repro: {r.failure.repro} ({len(r.failure.operations)} operations)")
+            for met in r.known_defects:
+                if r.failure is None or met["defect"] != r.failure.defect:
+                    self._line(f"      known defect {met['defect']} met in {met['count']} example(s), explored past")
+        elif event == "defect-replays":
+            self._line(f"replaying the pinned repros of {info['total']} open known defect(s) ...")
+        elif event == "defect-replays-done":
+            for rec in info["replays"]:
+                outcome = rec["outcome"] if rec["outcome"] == "reproduces" else rec["outcome"].upper()
+                why = f" ({rec.get('kind')}: {(rec.get('message') or '')[:160]})" if rec["outcome"] == "changed" else ""
+                self._line(f"    {rec['defect']}: {outcome}{why}")
 
     def _line(self, text: str, end: str = "\n") -> None:
         if self.tty:

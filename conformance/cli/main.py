@@ -11,7 +11,7 @@ import sys
 
 from conformance.errors import UsageError
 
-COMMANDS = ("run", "mutants", "replay", "compare", "matrix", "economics")
+COMMANDS = ("run", "mutants", "replay", "compare", "matrix", "economics", "defects")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -15,10 +15,12 @@ implementation could reuse, computed from what the harness knows is held.
   length such that every block of ``prompt[:p]`` is on the device or in the
   store whole, and the state after ``prompt[:p]`` is on the device or in the
   store whole.  "On the device" is what the views before and after the
-  ``schedule()`` both list (:class:`DeviceHeld`): a cache that registers the
-  blocks a plan is about to compute when it schedules them (vLLM caches them
-  at allocation) lists, after that schedule, content not written yet, for
-  the very request being judged.  Also the least over the window (an entry
+  ``schedule()`` both list as the same entry (the same block or slot under
+  the same prefix, :class:`~conformance.judge.reuse.HeldAcross`): a cache that
+  registers the blocks a plan is about to compute when it schedules them
+  (vLLM caches them at allocation) lists, after that schedule, content not
+  written yet, for the very request being judged, possibly under a prefix an
+  entry the same schedule evicted held before it.  Also the least over the window (an entry
   whose offload was still in flight at one of its schedules was held nowhere
   then).
 
@@ -78,7 +80,7 @@ from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
 from conformance.harness.history import TransferCompleted
 from conformance.judge.retention import declared_retention
-from conformance.judge.reuse import INDEXES, LookupWindow
+from conformance.judge.reuse import HeldAcross, LookupWindow
 
 Prefix = tuple[int, ...]
 
@@ -103,19 +105,6 @@ class StoreIndex:
                         self.kv.add(last)
             elif prov.get("conv") is not None and prov.get("conv") == prov.get("ssm"):
                 self.states.add(prov["ssm"])
-
-
-class DeviceHeld:
-    """What the device held across a ``schedule()``: the entries of both the
-    view before it and the view after it (an entry only after it was
-    registered by that very plan, for content its step has not written yet;
-    one only before it was evicted by it).  Answers what longest_held asks of
-    a view's index."""
-
-    def __init__(self, before, after):
-        self.kv_by_block = {k: prefixes & before.kv_by_block.get(k, set())
-                            for k, prefixes in after.kv_by_block.items()}
-        self.states = after.states & before.states
 
 
 def longest_held(prompt: Prefix, here, there: StoreIndex, B: int, unit: int) -> int:
@@ -166,7 +155,8 @@ class ExpectedHit(Checker):
         if not store.entries:
             return 0
         before = obs.last_view
-        here = DeviceHeld(INDEXES.get(before, B), INDEXES.get(view, B))
+        # what the device held across the schedule: the same entries in the views before and after it
+        here = HeldAcross(before, view, B)
         there = StoreIndex(store, B, self.distrusted)
         best = longest_held(prompt, here, there, B, unit)
         if best and self.hit_drop:  # what the drafter's drop leaves of it: a held prefix that much shorter
@@ -193,7 +183,7 @@ class ExpectedHit(Checker):
         even where the cache registered them at that schedule)."""
         B = obs.layout.block_size
         wanted = {held[: (k + 1) * B] for k in range(len(held) // B)}
-        # entries the view before the schedule listed too (see DeviceHeld)
+        # entries the view before the schedule listed too (see HeldAcross)
         kept_kv = {(e.block, e.tokens) for e in before.cached_kv} if before is not None else set()
         kept_state = {(e.slot, e.tokens) for e in before.cached_states} if before is not None else set()
         cached_kv = {e.block for e in view.cached_kv if (e.block, e.tokens) in kept_kv}

@@ -75,6 +75,29 @@ class ViewIndex:
         return 0
 
 
+class HeldAcross(ViewIndex):
+    """The entries two views of one ``schedule()`` both list *as the same
+    entry* (the same KV block or state slot under the same prefix): what the
+    cache held through it.  Intersecting by prefix alone would count an entry
+    the schedule evicted (another request's allocation took its slot) as held
+    when the schedule also registered the same prefix elsewhere, in the
+    blocks or the slot of the very request being matched (a cache that
+    registers what a plan is about to compute, as vLLM does at allocation)."""
+
+    def __init__(self, before: CacheView | None, after: CacheView | None, block_size: int):
+        super().__init__(None, block_size)
+        if before is None or after is None:
+            self._kv, self._states = {}, set()
+            return
+        kept_kv = {(e.block, e.tokens) for e in before.cached_kv}
+        kept_states = {(e.slot, e.tokens) for e in before.cached_states}
+        self._kv = {}
+        for e in after.cached_kv:
+            if e.tokens and (e.block, e.tokens) in kept_kv:
+                self._kv.setdefault((len(e.tokens) - 1) // block_size, set()).add(e.tokens)
+        self._states = {e.tokens for e in after.cached_states if (e.slot, e.tokens) in kept_states}
+
+
 class IndexCache:
     """Views are immutable snapshots: index each once, however many observers
     ask (the retention check and the metrics read the same views)."""
@@ -153,10 +176,10 @@ class LookupWindow:
 
     def _look(self, obs, view_before, view_after, rids) -> None:
         B, tracks = obs.layout.block_size, obs.tracks
-        before, after = INDEXES.get(view_before, B), INDEXES.get(view_after, B)
+        held = HeldAcross(view_before, view_after, B)
         for rid in rids:
             prompt = tracks[rid].tokens[: tracks[rid].prompt_len]
-            kv = min(before.kv_servable(prompt), after.kv_servable(prompt))
-            now = (kv, before.best_reuse(prompt, max(0, kv - self.hit_drop) if kv else 0, also=after))
+            kv = held.kv_servable(prompt)
+            now = (kv, held.best_reuse(prompt, max(0, kv - self.hit_drop) if kv else 0))
             old = self.floor.get(rid, now)
             self.floor[rid] = (min(old[0], now[0]), min(old[1], now[1]))

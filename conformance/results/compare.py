@@ -13,13 +13,12 @@ from pathlib import Path
 from conformance.errors import CompareInputError
 from conformance.results.expectations import (  # noqa: F401 - re-exported: the old home of these names
     BAD,
-    compare_with_expectations,
     expected_status,
     find_expectations,
-    format_expectations,
     load_expectations,
 )
 from conformance.results.records import upgrade
+from conformance.results.triage import compare_with_expectations, format_expectations  # noqa: F401
 
 
 def load_results(path: str | Path) -> dict:
@@ -110,6 +109,16 @@ class Comparison:
     old_identity: str = ""
     new_identity: str = ""
     warnings: list[str] = field(default_factory=list)  # e.g. the two runs are of different implementations
+    # Defects first (by signature, conformance.results.triage): FIXED only where the new run's replay of a
+    # pinned repro says so, never because a fuzzing check happened not to meet a defect.
+    defects_fixed: list[str] = field(default_factory=list)
+    defects_new: list[tuple[str, list[str]]] = field(default_factory=list)  # (NEW title, checks) not in OLD
+    defects_still_new: list[tuple[str, list[str]]] = field(default_factory=list)
+    known_now_seen: list[str] = field(default_factory=list)  # known defects met now, not before
+    known_not_seen_now: list[str] = field(default_factory=list)  # met before, not now (informational)
+    # Whether the new run was triaged against an expectations file: only then is a NEW signature a
+    # regression by itself (untriaged, every failure's title is "new", and a changed message alone is not).
+    triaged: bool = False
 
     @property
     def comparable(self) -> bool:
@@ -125,7 +134,8 @@ class Comparison:
         # occurring hides bugs as surely as a failure does: all are regressions.
         # A still failing check that now fails in another way found something new.
         return bool(self.new_failures or self.missing or self.coverage_lost or self.interrupted
-                    or self.now_skipped or self.nothing_checked or self.kind_changed or not self.comparable)
+                    or self.now_skipped or self.nothing_checked or self.kind_changed or not self.comparable
+                    or (self.defects_new and self.triaged))
 
 
 def compare(old: dict, new: dict) -> Comparison:
@@ -159,6 +169,7 @@ def compare(old: dict, new: dict) -> Comparison:
         if before is None:
             cmp.added.append(cid)
     cmp.missing = [cid for cid in o if cid not in n]
+    _compare_defects(cmp, old, new)
     oc, nc = old.get("coverage", {}), new.get("coverage", {})
     for key in sorted(set(oc) | set(nc)):
         a, b = int(oc.get(key, 0)), int(nc.get(key, 0))
@@ -167,6 +178,51 @@ def compare(old: dict, new: dict) -> Comparison:
             if a > 0 and b == 0:
                 cmp.coverage_lost.append(key)
     return cmp
+
+
+def signature_groups(result: dict) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(known defect id -> checks, NEW title -> checks) of a run: its triage's
+    groups, or, for a run judged by no expectations file, every failure by its title."""
+    triage = result.get("triage")
+    if triage:
+        return ({g["key"]: g["checks"] for g in triage.get("known", [])},
+                {g["key"]: g["checks"] for g in triage.get("new", [])})
+    from conformance.results.defects import title_of
+
+    new: dict[str, list[str]] = {}
+    for c in result.get("checks", []):
+        if c.get("status") in BAD:
+            f = c.get("failure") or {}
+            new.setdefault(title_of(f.get("kind") or c["status"], f.get("message") or ""), []).append(c["id"])
+    return {}, new
+
+
+def _compare_defects(cmp: Comparison, old: dict, new: dict) -> None:
+    old_known, old_new = signature_groups(old)
+    new_known, new_new = signature_groups(new)
+    cmp.triaged = bool(new.get("triage"))
+    cmp.defects_fixed = [r["defect"] for r in (new.get("triage") or {}).get("fixed", [])]
+    for title, checks in new_new.items():
+        (cmp.defects_still_new if title in old_new else cmp.defects_new).append((title, checks))
+    cmp.known_now_seen = [d for d in new_known if d not in old_known]
+    cmp.known_not_seen_now = [d for d in old_known if d not in new_known and d not in cmp.defects_fixed]
+
+
+def defect_lines(cmp: Comparison) -> list[str]:
+    """The known defects FIXED and the NEW signatures, for the top of the
+    comparison (``format_comparison(first=...)``)."""
+    lines = []
+    for did in cmp.defects_fixed:
+        lines.append(f"  DEFECT FIXED {did} (its pinned repro no longer reproduces in the new run)")
+    for title, checks in cmp.defects_new:
+        lines.append(f"  DEFECT NEW   {title} ({len(checks)} checks: {', '.join(checks[:6])})")
+    for title, checks in cmp.defects_still_new:
+        lines.append(f"  still NEW    {title} ({len(checks)} checks)")
+    for did in cmp.known_now_seen:
+        lines.append(f"  known defect now seen: {did}")
+    for did in cmp.known_not_seen_now:
+        lines.append(f"  known defect not seen now: {did} (informational: no check met it; not fixed)")
+    return lines
 
 
 def _stopped(doc: dict) -> str:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Container, Iterable
+from dataclasses import dataclass
+from difflib import get_close_matches
 from pathlib import Path
 
 from conformance.errors import CompareInputError
@@ -46,23 +48,6 @@ class Expected:
         return self.message is None or re.search(self.message, failure.get("message") or "") is not None
 
 
-@dataclass
-class Verdict:
-    """A run against an expectations file."""
-
-    unexpected_failures: list[tuple[str, str]] = field(default_factory=list)  # (check, why)
-    unexpected_passes: list[str] = field(default_factory=list)
-    unexpected_skips: list[tuple[str, str]] = field(default_factory=list)  # (check, reason)
-    expected_failures: list[tuple[str, str]] = field(default_factory=list)  # (check, kind)
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # unlisted checks that were skipped
-    nothing_checked: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not (self.unexpected_failures or self.unexpected_passes or self.unexpected_skips
-                    or self.nothing_checked)
-
-
 def _where(path, cid: str, key: str) -> str:
     return f'{path}: checks."{cid}".{key}'
 
@@ -91,7 +76,11 @@ def _validate_failure_fields(path, cid: str, entry: dict, prefix: str = "") -> N
                                     f'{exc}') from None
 
 
-def load_expectations(path: str | Path) -> dict:
+def load_expectations(path: str | Path, known_checks: Container[str] | None = None) -> dict:
+    """Read and validate an expectations file (its per-check entries and its
+    ``[defects]`` table, conformance.results.defects).  ``known_checks``: the
+    check ids that exist; an entry for any other (a typo) is an error, never
+    an expectation silently met by a check that does not exist."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
@@ -125,6 +114,15 @@ def load_expectations(path: str | Path) -> dict:
                                     f'or "failed"')
         for rule in when:
             _validate_failure_fields(path, cid, rule, prefix="when.")
+        if known_checks is not None and base_id(cid) not in known_checks:
+            candidates = sorted(known_checks) if isinstance(known_checks, Iterable) else []
+            close = get_close_matches(base_id(cid), candidates, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise CompareInputError(f'{path}: checks."{cid}": no such check{hint}; an expectation for a check '
+                                    f'that does not exist would never be judged')
+    from conformance.results.defects import load_table
+
+    load_table(doc, path)  # every defect entry and its pinned repro, validated now
     return doc
 
 
@@ -160,7 +158,7 @@ def expected_status(entry: dict, run: dict) -> str:
     return expected(entry, run).status
 
 
-def _run_facts(result_dict: dict) -> dict:
+def run_facts(result_dict: dict) -> dict:
     return {"profile": result_dict.get("profile"),
             "options": dict((result_dict.get("impl_config") or {}).get("options") or {})}
 
@@ -179,63 +177,6 @@ def entry_for(expectations: dict, check: dict) -> dict:
 def check_facts(facts: dict, check: dict) -> dict:
     """The run's facts, with a variant's options over the run's (``when`` rules match them)."""
     return {**facts, "options": {**facts.get("options", {}), **(check.get("options") or {})}}
-
-
-def judge_expectations(result_dict: dict, doc: dict) -> Verdict:
-    exp = doc.get("checks", {})
-    facts = _run_facts(result_dict)
-    verdict = Verdict()
-    checks = result_dict.get("checks", [])
-    verdict.nothing_checked = not any(c.get("status") != "skipped" for c in checks)
-    for c in checks:
-        want = expected(entry_for(exp, c), check_facts(facts, c))
-        failure = c.get("failure") or {}
-        if c["status"] == "skipped":
-            target = verdict.unexpected_skips if want.listed else verdict.skipped
-            target.append((c["id"], c.get("reason") or "no reason given"))
-        elif c["status"] in BAD:
-            if want.matches(c):
-                verdict.expected_failures.append((c["id"], failure.get("kind") or ""))
-            else:
-                got = f"{failure.get('kind') or c['status']}: {(failure.get('message') or '')[:300]}"
-                why = got if want.status == "passed" else f"expected {want.describe()}, got {got}"
-                verdict.unexpected_failures.append((c["id"], why))
-        elif c["status"] == "passed" and want.status == "failed":
-            verdict.unexpected_passes.append(c["id"])
-    return verdict
-
-
-def compare_with_expectations(result_dict: dict, expectations_path: str | Path) -> tuple[list[str], list[str]]:
-    """(unexpected failures, unexpected passes).  A check absent from the file
-    is expected to pass.  A failure of another kind than the expected one is
-    an unexpected failure.  An expected failure that now passes is reported
-    so the file gets updated (the bug was fixed)."""
-    verdict = judge_expectations(result_dict, load_expectations(expectations_path))
-    return [cid for cid, _ in verdict.unexpected_failures], verdict.unexpected_passes
-
-
-def format_expectations(result_dict: dict, expectations_path: str | Path) -> tuple[str, bool]:
-    doc = load_expectations(expectations_path)
-    verdict = judge_expectations(result_dict, doc)
-    lines = [f"expectations {doc['engine']} {doc['version']} ({expectations_path})"]
-    if verdict.nothing_checked:
-        lines.append("  NOTHING WAS CHECKED: every check was skipped (or none ran)")
-    for cid, why in verdict.unexpected_failures:
-        lines.append(f"  UNEXPECTED FAILURE {cid}: {why}")
-    by_id = {c["id"]: c for c in result_dict.get("checks", [])}
-    for cid in verdict.unexpected_passes:
-        entry = entry_for(doc["checks"], by_id[cid])
-        lines.append(f"  unexpected pass    {cid} (expected to fail: {entry.get('reason', '')} "
-                     f"{' '.join(entry.get('upstream', []))}); update the expectations file")
-    for cid, reason in verdict.unexpected_skips:
-        lines.append(f"  UNEXPECTED SKIP    {cid}: {reason} (the file expects a result)")
-    for cid, kind in verdict.expected_failures:
-        entry = entry_for(doc["checks"], by_id[cid])
-        lines.append(f"  expected failure   {cid} [{kind}] ({' '.join(entry.get('upstream', []))})")
-    for cid, reason in verdict.skipped:
-        lines.append(f"  skipped            {cid}: {reason}")
-    lines.append("as expected" if verdict.ok else "NOT as expected")
-    return "\n".join(lines), verdict.ok
 
 
 def _impls(doc: dict) -> tuple[str, ...]:

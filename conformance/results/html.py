@@ -74,6 +74,7 @@ def render(results: list[dict], base: Path | None = None, title: str = "hybrid-c
            f"{_dt.datetime.now(_dt.UTC).isoformat(timespec='seconds')}</div>"]
     out += _matrix(results)
     out += _coverage(results)
+    out += _triage(results, base)
     out += _checks(results)
     out += _failures(results, base)
     out += _faults_and_plots(results, plots)
@@ -155,6 +156,43 @@ def _checks(results: list[dict]) -> list[str]:
     return out
 
 
+def _triage(results: list[dict], base: Path | None) -> list[str]:
+    """Failures grouped by signature (one row per known defect, one per NEW
+    title), FIXED defects and the ones no check met, per run with a triage."""
+    e = _e
+    out: list[str] = []
+    for r in results:
+        t = r.get("triage")
+        if not t:
+            continue
+        exp = r.get("expectations") or {}
+        verdict = "as expected" if t.get("ok") else "NOT as expected"
+        out.append(f"<h2>Triage: {e(run_label(r))}</h2><p class='meta'>against "
+                   f"<code>{e(str(exp.get('path', '')))}</code> ({e(str(exp.get('engine', '')))} "
+                   f"{e(str(exp.get('version', '')))}): <span class='badge {'ok' if t.get('ok') else 'bad'}'>"
+                   f"{verdict}</span></p>")
+        out.append("<table id='triage'><thead><tr><th>verdict</th><th>signature</th><th>checks</th>"
+                   "<th>examples</th><th>first repro</th></tr></thead><tbody>")
+        for g in t.get("new", []) + t.get("known", []):
+            new = g["status"] == "new"
+            label = "NEW" if new else f"known {g.get('category', 'defect')}"
+            repro = g.get("first_repro")
+            link = f"<a href='{e(_rel(repro, base))}'><code>{e(_rel(repro, base))}</code></a>" if repro else ""
+            title = g["title"] if new else f"{g['key']}: {g['title']} ({g.get('upstream', '')})"
+            out.append(f"<tr><td class='{'failed' if new else 'skipped'}'>{e(label)}</td><td>{e(title)}</td>"
+                       f"<td>{len(g['checks'])}: {e(', '.join(g['checks']))}</td>"
+                       f"<td class='num'>{g.get('examples', 0)}</td><td>{link}</td></tr>")
+        for rec in t.get("fixed", []):
+            out.append(f"<tr><td class='failed'>FIXED</td><td>{e(rec['defect'])}: its pinned repro no longer "
+                       f"reproduces (update the expectations file)</td><td></td><td></td>"
+                       f"<td><code>{e(str(rec.get('repro', '')))}</code></td></tr>")
+        for did in t.get("not_seen", []):
+            out.append(f"<tr><td class='none'>not seen</td><td>{e(did)} (no check met it; informational)</td>"
+                       f"<td></td><td></td><td></td></tr>")
+        out.append("</tbody></table>")
+    return out
+
+
 def _failures(results: list[dict], base: Path | None) -> list[str]:
     """Failures, with their repro files and the command that replays them."""
     e = _e
@@ -164,8 +202,10 @@ def _failures(results: list[dict], base: Path | None) -> list[str]:
         out.append("<p><span class='badge ok'>none</span></p>")
     for r, c in failures:
         f = c.get("failure") or {}
+        label = ((r.get("triage") or {}).get("by_check") or {}).get(c["id"], "")
+        tag = (f"<span class='badge {'bad' if label == 'NEW' else 'warn'}'>{e(label)}</span> " if label else "")
         out.append(f"<div class='failure' id='failure-{e(c['id'])}'><h3>{e(c['id'])} "
-                   f"<span class='badge bad'>{e(str(f.get('kind', c['status'])))}</span> "
+                   f"<span class='badge bad'>{e(str(f.get('kind', c['status'])))}</span> {tag}"
                    f"<small>{e(run_label(r))}</small></h3><pre>{e(str(f.get('message', '')))}</pre>")
         if f.get("repro"):
             rel = _rel(f["repro"], base)

@@ -34,6 +34,9 @@ class Failure:
     test_cases_to_failure: int | None = None
     seconds_to_failure: float | None = None
     impl_config: dict | None = None  # the configuration it failed under (a repro replays exactly that)
+    # The known defect of the engine version this failure is (conformance.results.defects), decided
+    # during the run; None: not a known defect (NEW, or a per-check expectation's, see triage).
+    defect: str | None = None
 
     def __post_init__(self) -> None:
         self.kind = FailureKind(self.kind)
@@ -60,6 +63,12 @@ class CheckResult:
     # checker that had nothing to check (no refcounts stated), a retention
     # policy the implementation declared instead of the one the check configured.
     notes: list[str] = field(default_factory=list)
+    # What a known defect's conditions are judged on (the options the check ran
+    # with, its sizes, what the implementation derives from them).
+    facts: dict = field(default_factory=dict)
+    # Known defects this check met while exploring (once per defect: count, first
+    # example, minimized steps, repro); exploration went on past each of them.
+    known_defects: list[dict] = field(default_factory=list)
     # What the engine was really started with for this check, as its adapter
     # states it (optional ``engine_config()``; vLLM: the pool, the max_model_len
     # its start-up check accepts, the release and build); empty when not stated.
@@ -94,6 +103,10 @@ class RunResult:
     # Planned checks that did not run (the run was interrupted or crashed first): reported as not run, never dropped.
     not_run: list[str] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    # The expectations file the run is triaged against ({"path", "engine", "version", "defects"}), and
+    # what each open defect's pinned repro did when replayed on this implementation (reproduces/fixed/...).
+    expectations: dict | None = None
+    defect_replays: list[dict] = field(default_factory=list)
 
     @property
     def coverage(self) -> dict[str, int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from conformance.errors import UsageError
 from conformance.results.files import atomic_write, strict_json
 from conformance.results.html import replay_command, write_index
-from conformance.results.records import CheckResult, RunResult
+from conformance.results.records import CheckResult, Failure, RunResult
 
 REPRO_SCHEMA = "hybrid-cache-conformance/repro"
 REPRO_VERSION = 3  # docs/repro-format.md; conformance.results.repro reads it (and versions 1 and 2)
@@ -111,21 +111,41 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def results_document(result: RunResult) -> dict:
+    """results.json: the run, and its triage against the engine version's
+    known defects and expectations when it has a file (conformance.results.triage)."""
+    doc = result.to_dict()
+    if result.expectations:
+        from conformance.results.triage import judge_cached
+
+        doc["triage"] = judge_cached(doc, result.expectations["path"]).to_dict()
+    return doc
+
+
 def write_all(out: Path, result: RunResult) -> None:
-    atomic_write(out / "results.json", strict_json(result.to_dict(), indent=2, default=str) + "\n")
-    atomic_write(out / "junit.xml", junit_xml(result))
+    doc = results_document(result)
+    atomic_write(out / "results.json", strict_json(doc, indent=2, default=str) + "\n")
+    atomic_write(out / "junit.xml", junit_xml(result, doc.get("triage")))
 
-    write_index(out, [result.to_dict()])
+    write_index(out, [doc])
 
 
-def junit_xml(result: RunResult) -> str:
-    """One ``<testcase>`` per check.  An interrupted run lists the planned
-    checks that did not run as errors ("not run: interrupted") and says so on
-    the testsuite (an ``interrupted`` property and an error count that
-    includes them): a CI reading JUnit never sees such a run as a pass.  A
-    run the harness crashed out of is interrupted too, and says what raised."""
+def junit_xml(result: RunResult, triage: dict | None = None) -> str:
+    """One ``<testcase>`` per check.  With a triage, a failure that is a known
+    defect (or a failure the file expects) is a ``<skipped type="known-defect">``
+    (``"expected-failure"``) naming it, as pytest writes an xfail, so that a CI
+    reading JUnit sees red exactly when the run's verdict is red; an unexpected
+    pass is a failure, and each open defect's pinned repro is a testcase of its
+    own (a failure when it no longer reproduces: FIXED).  An interrupted run
+    lists the planned checks that did not run as errors ("not run:
+    interrupted") and says so on the testsuite (an ``interrupted`` property and
+    an error count that includes them): a CI reading JUnit never sees such a run
+    as a pass.  A run the harness crashed out of is interrupted too, and says
+    what raised."""
     summary = result.to_dict()["summary"]
     not_run = result.not_run if result.interrupted else []
+    by_check = (triage or {}).get("by_check", {})
+    unexpected_passes = set((triage or {}).get("unexpected_passes", []))
     suite = ET.Element("testsuite", name=f"hybrid-cache-conformance[{result.implementation}]",
                        tests=str(len(result.checks) + len(not_run)), failures=str(summary["failed"]),
                        errors=str(summary["error"] + len(not_run)), skipped=str(summary["skipped"]),
@@ -136,14 +156,42 @@ def junit_xml(result: RunResult) -> str:
                        ("interrupted", str(result.interrupted).lower()), ("crashed", result.crashed),
                        ("not_run", len(not_run))):
         ET.SubElement(props, "property", name=key, value=str(value))
+    failures, errors, skipped = summary["failed"], summary["error"], summary["skipped"]
     for c in result.checks:
         case = ET.SubElement(suite, "testcase", classname=f"conformance.{c.family}", name=c.id, time=f"{c.seconds:.3f}")
-        if c.status in ("failed", "error") and c.failure is not None:
+        label = by_check.get(c.id, "")
+        if c.status in ("failed", "error") and c.failure is not None and label and label != "NEW":
+            known = label.startswith("known")
+            el = ET.SubElement(case, "skipped", type="known-defect" if known else "expected-failure",
+                               message=(f"{label}: " if known else "expected failure: ") + c.failure.message[:400])
+            el.text = _witness(c, result.impl_spec)
+            failures, errors, skipped = failures - (c.status == "failed"), errors - (c.status == "error"), skipped + 1
+        elif c.status in ("failed", "error") and c.failure is not None:
             el = ET.SubElement(case, "failure" if c.status == "failed" else "error",
-                               message=c.failure.message[:500], type=c.failure.kind)
+                               message=(("NEW: " if triage else "") + c.failure.message)[:500], type=c.failure.kind)
             el.text = _witness(c, result.impl_spec)
         elif c.status == "skipped":
             ET.SubElement(case, "skipped", message=c.reason)
+        elif c.id in unexpected_passes:
+            ET.SubElement(case, "failure", type="unexpected-pass",
+                          message="passed, but the expectations file expects a failure: update the file")
+            failures += 1
+        if c.known_defects:  # met while exploring (the check went on past each)
+            met_props = ET.SubElement(case, "properties")
+            for met in c.known_defects:
+                ET.SubElement(met_props, "property", name=f"known-defect:{met['defect']}", value=str(met["count"]))
+    for rec in result.defect_replays:
+        case = ET.SubElement(suite, "testcase", classname="conformance.known-defects",
+                             name=f"pinned-repro[{rec['defect']}]", time="0")
+        if rec["outcome"] in ("fixed", "changed"):
+            what = ("FIXED: the pinned repro no longer reproduces; mark the defect fixed in the expectations file"
+                    if rec["outcome"] == "fixed" else f"the pinned repro now fails otherwise: {rec.get('kind')}: "
+                                                      f"{(rec.get('message') or '')[:300]}")
+            ET.SubElement(case, "failure", type=rec["outcome"], message=what).text = str(rec.get("repro"))
+            failures += 1
+        elif rec["outcome"] != "reproduces":
+            ET.SubElement(case, "skipped", message=rec.get("note") or rec["outcome"])
+            skipped += 1
     why = f"the run crashed ({result.crashed})" if result.crashed else "the run was interrupted"
     if result.interrupted:
         ET.SubElement(suite, "system-err").text = \
@@ -153,6 +201,14 @@ def junit_xml(result: RunResult) -> str:
         ET.SubElement(case, "error", message=NOT_RUN_CRASHED if result.crashed else NOT_RUN,
                       type="crashed" if result.crashed else "interrupted").text = \
             f"{cid} was planned but did not run: {why}"
+    suite.set("tests", str(len(suite.findall("testcase"))))
+    suite.set("failures", str(failures))
+    suite.set("errors", str(errors + len(not_run)))
+    suite.set("skipped", str(skipped))
+    if triage:
+        for g in triage.get("known", []) + triage.get("new", []):
+            ET.SubElement(props, "property", name=f"triage:{g['status']}:{g['key']}",
+                          value=f"{len(g['checks'])} checks; first repro {g.get('first_repro') or '-'}")
     return ET.tostring(suite, encoding="unicode") + "\n"
 
 
@@ -189,6 +245,9 @@ def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> 
         "mutant": result.mutant,
         "faults": result.fault_names,
         "failure": {"kind": failure.kind, "message": failure.message},
+        # what a known defect's conditions are judged on, and the defect this failure is (if known)
+        "facts": check.facts,
+        "defect": failure.defect,
         "operations": failure.operations,
         # informational only (replay recomputes them): the last plans and verdicts
         "events": failure.events,
@@ -208,9 +267,33 @@ def _harness_version() -> dict:
     return {"name": "hybrid-cache-conformance", "commit": commit}
 
 
+def write_known_repros(out: Path, result: RunResult, check: CheckResult, impl_config: dict) -> None:
+    """``repros/known/<defect>/<check>[--<mutant>].json``: each known defect the
+    check met, minimized; grouped by defect, as the triage groups them."""
+    for met in check.known_defects:
+        if not met.get("operations"):
+            continue
+        folder = out / "repros" / "known" / met["defect"]
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / (f"{check.id}" + (f"--{result.mutant}" if result.mutant else "") + ".json")
+        stand_in = CheckResult(id=check.id, family=check.family, status="failed", facts=check.facts,
+                               failure=Failure(kind=met["kind"], message=met["message"], operations=met["operations"],
+                                               events=met.get("events") or [], defect=met["defect"]))
+        doc = repro_document(result, stand_in, impl_config)
+        doc["title"] = f"{check.id}: known defect {met['defect']} ({met['title']}) on {result.implementation}"
+        atomic_write(path, strict_json(doc, indent=2, default=str) + "\n")
+        met["repro"] = str(path)
+        if check.failure is not None and check.failure.defect == met["defect"] \
+                and check.failure.operations == met["operations"]:
+            check.failure.repro = str(path)
+
+
 def write_failure_repro(out: Path, result: RunResult, check: CheckResult, impl_config: dict) -> Path | None:
+    write_known_repros(out, result, check, impl_config)
     if check.failure is None or not check.failure.operations:
         return None
+    if check.failure.repro:  # the check's failure is a known defect, written under repros/known/
+        return Path(check.failure.repro)
     repro_dir = out / "repros"
     repro_dir.mkdir(exist_ok=True)
     name = f"{check.id}" + (f"--{result.mutant}" if result.mutant else "") + ".json"

@@ -20,6 +20,7 @@ from conformance.harness.guard import guarded
 from conformance.judge.metrics import CacheMetrics
 from conformance.results.records import CheckResult, Failure, RunResult
 from conformance.suite.config_matrix import parse_variant_id
+from conformance.suite.known import classifier_for, known_entry, minimize_known
 from conformance.suite.options import ProgressFn
 from conformance.suite.prepared import PlannedCheck, PoolSizes, Resources, Run
 from conformance.suite.seeds import check_seed
@@ -128,7 +129,9 @@ def retention_note(configured: dict, declared) -> str | None:
 
 
 def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressFn = _quiet) -> CheckResult:
-    """Run one planned check of ``run`` with this process's resources."""
+    """Run one planned check of ``run`` with this process's resources.  The
+    known defects of ``run.expectations`` are recorded and explored past, never
+    raised (conformance.suite.known)."""
     spec = planned.spec
     if spec.disagg:
         from conformance.suite.disagg import run_disagg_check
@@ -193,9 +196,11 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
         if env is not None:
             env.attach(session)
 
+    known, facts = classifier_for(run.expectations, factory, impl_config)
+
     def machine():
         return HybridCacheMachine(factory, spec, model=res.model, oracle=res.oracle, impl_config=impl_config,
-                                  timeout=run.timeout, recorder=recorder, attach=attach)
+                                  timeout=run.timeout, recorder=recorder, attach=attach, known=known)
 
     # A factory of machines: Hypothesis calls it as it would call the class.
     test = get_state_machine_test(machine, settings=hypothesis_settings(  # type: ignore[arg-type]
@@ -208,10 +213,18 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     # (the repro keeps the example's operations as they ran).
     if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT) \
             and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
-        minimize_failure(failure, factory, spec, impl_config, res, run.timeout)
+        minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
+    met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)
     if status == "passed":
         failure = coverage_failure(spec, recorder, outcome.examples, why, faulted=env is not None)
         status = "failed" if failure is not None else status
+    if status == "passed" and met:
+        # Only known defects: the check fails with the first, which triage names.
+        first = met[0]
+        failure = Failure(kind=first["kind"], message=first["message"], operations=first["operations"],
+                          events=first["events"], examples_to_failure=first["first_example"],
+                          seconds_to_failure=first["seconds_to_first"], defect=first["defect"])
+        status = "failed"
     if failure is not None:
         failure.impl_config = asdict(impl_config)
     return CheckResult(id=spec.id, family=spec.family, status=status, description=spec.description,
@@ -220,7 +233,21 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                        test_cases=recorder.examples, operations=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes),
-                       engine_config=started_with)
+                       engine_config=started_with, facts=facts, known_defects=met)
+
+
+def known_defects_met(recorder: Recorder, factory, spec: CheckSpec, impl_config, res: Resources, run: Run,
+                      known=None) -> list[dict]:
+    """The known defects the check's exploration met, each minimized (by
+    replay, to that same defect) when failures are minimized."""
+    out = []
+    for met in recorder.known.values():
+        operations, message, events = met.ops, met.message, met.events
+        if run.shrink in ("ops", "hypothesis+ops") and res.faults is None and known is not None:
+            operations, message, events = minimize_known(met, factory, impl_config, res.model, res.oracle,
+                                                         spec.observe, known, run.timeout)
+        out.append(known_entry(met, operations, message, events))
+    return out
 
 
 def _no_retention(spec: CheckSpec, impl_config) -> CheckResult:
@@ -237,8 +264,9 @@ def _abandoned(spec: CheckSpec, error: ImplementationError) -> CheckResult:
 
 
 def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, res: Resources,
-                     timeout: float | None) -> None:
-    """Shorten ``failure.operations`` by replaying subsets (same failure kind), in place."""
+                     timeout: float | None, known=None) -> None:
+    """Shorten ``failure.operations`` by replaying subsets (same failure kind, and
+    never a known defect: a NEW failure must not slip into a known one), in place."""
     from conformance.harness.ops import op_from_dict, op_to_dict
     from conformance.suite.minimize import minimize, replay_fails
 
@@ -250,7 +278,7 @@ def minimize_failure(failure: Failure, factory, spec: CheckSpec, impl_config, re
 
     def still_fails(ops) -> bool:
         exc, _ = outcome(ops)
-        return exc is not None and exc.kind == failure.kind
+        return exc is not None and exc.kind == failure.kind and (known is None or known(exc) is None)
 
     ops = [op_from_dict(d) for d in failure.operations]
     if not still_fails(ops):

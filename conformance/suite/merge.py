@@ -42,7 +42,16 @@ def merge(out: Path, dirs: list[Path]) -> RunResult:
             if c.id in seen:
                 raise CompareInputError(f"{src}: check {c.id} is in two shards")
             seen.add(c.id)
-            if c.failure is not None and c.failure.repro and Path(c.failure.repro).exists():
+            copied = {}
+            for met in c.known_defects:  # repros/known/<defect>/<check>.json
+                if met.get("repro") and Path(met["repro"]).exists():
+                    dest = out / "repros" / "known" / met["defect"] / Path(met["repro"]).name
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(met["repro"], dest)
+                    copied[met["repro"]] = met["repro"] = str(dest)
+            if c.failure is not None and c.failure.repro in copied:
+                c.failure.repro = copied[c.failure.repro]
+            elif c.failure is not None and c.failure.repro and Path(c.failure.repro).exists():
                 dest = out / "repros" / Path(c.failure.repro).name
                 shutil.copyfile(c.failure.repro, dest)
                 c.failure.repro = str(dest)

@@ -71,6 +71,9 @@ class RunOptions:
     # Expand each check under the implementation's configuration matrix
     # (its ``config_matrix``; conformance.suite.config_matrix).
     matrix: bool = True
+    # The expectations file (known defects, per-check expectations) the run is triaged against; by
+    # default the one written for the implementation and its installed version (fixtures/expectations/).
+    expectations: str | Path | None = None
 
 
 def _safe(text: str) -> str:

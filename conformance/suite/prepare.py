@@ -54,6 +54,12 @@ def prepare_run(opts: RunOptions) -> Run:
     pools = PoolSizes(opts.block_size, opts.num_kv_blocks, opts.num_state_slots)
     _check_impl_options(factory, specs, impl_options, pools, tier_option, spec_option)
     planned = plan_checks(specs, factory, impl_options, opts.matrix)
+    # The engine version's (and build's) known defects: a bad entry is a usage error now, before any check runs.
+    from conformance.suite.known import check_fix_target, expectations_for
+
+    expectations = expectations_for(impl, str(getattr(factory, "version", "unknown")), opts.expectations,
+                                    build=str(getattr(factory, "build", "") or ""))
+    check_fix_target(opts.mutant, expectations)
     if opts.shard:
         planned = select_shard(planned, *opts.shard)
         if not planned:  # a green run of nothing would hide a miscounted CI matrix
@@ -80,7 +86,8 @@ def prepare_run(opts: RunOptions) -> Run:
                hypothesis_steps=opts.steps or profile.hypothesis_steps, timeout=opts.timeout, shrink=opts.shrink,
                pools=pools,
                report_dir=report_dir, workers=opts.workers, shard=opts.shard, stop_at_failure=opts.stop_at_failure,
-               matrix=opts.matrix, options=replace(opts, impl_options=dict(opts.impl_options)))
+               matrix=opts.matrix, options=replace(opts, impl_options=dict(opts.impl_options)),
+               expectations=expectations)
 
 
 def plan_checks(specs, factory, impl_options, matrix: bool = True) -> list:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from conformance.harness.oracle import Oracle
     from conformance.model import TinyHybrid
     from conformance.suite.checks import Profile
+    from conformance.suite.known import Expectations
     from conformance.suite.options import RunOptions
 
 
@@ -79,6 +80,9 @@ class Run:
     stop_at_failure: bool
     matrix: bool
     options: RunOptions  # what it was prepared from: a worker process prepares it again from these
+    # The engine version's expectations file (known defects, per-check expectations: conformance.suite.known),
+    # validated here; its known defects are recorded and explored past, never raised. None: no file.
+    expectations: Expectations | None = None
 
 
 @dataclass

@@ -87,6 +87,24 @@ def build_factory(impl: str, mutant: str | None):
     return factory
 
 
+def prepare_factory(factory, repro: Repro) -> None:
+    """What a run does before its first example, done before the first
+    operation: the implementation's one-time set-up (``warm_up``) and its
+    check of the file's options (``validate_options``, which for vLLM builds
+    the configurations the options need), both outside every call's timeout.
+    Building vLLM's ModelConfig takes 30 s and more on a loaded machine: inside
+    the first call it would be a timeout, not the recorded failure."""
+    warm_up = getattr(factory, "warm_up", None)
+    if callable(warm_up):
+        warm_up()
+    validate = getattr(factory, "validate_options", None)
+    if callable(validate):
+        try:
+            validate(repro.impl_config)
+        except ValueError as exc:
+            raise ReproFormatError(f"impl_config.options: {exc}") from None
+
+
 def _build_faults(names: list[str], seed: int):
     if not names:
         return None
@@ -116,6 +134,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     if repro.faults and not faults:
         notes.append(f"faults {', '.join(repro.faults)} not applied")
     factory = build_factory(impl, mutant)
+    prepare_factory(factory, repro)
     env = _build_faults(faults, repro.seed)
     if model is None or model.config != repro.model:
         model = TinyHybrid(repro.model)
@@ -131,7 +150,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
         # The check's own retention checkers judge too (a retention or hit-rate
         # failure is theirs, not the logits'), exactly as during the run.
         session = make_session(factory, repro.impl_config, model, Oracle(model),
-                               standard_checkers(_observers_of(repro.check)), timeout=timeout)
+                               standard_checkers(observers_of(repro.check)), timeout=timeout)
         if env is not None:
             env.attach(session)
         for i, op in enumerate(repro.operations):
@@ -151,7 +170,29 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     return outcome
 
 
-def _observers_of(check_id: str) -> tuple[str, ...]:
+def same_failure(repro: Repro, outcome: ReplayOutcome) -> bool:
+    """Whether a replay that failed failed as the file recorded: the same kind
+    and, where the file records a message, its title (within the replay's) (the message with
+    numbers and request ids replaced: ``results.defects.title_of``).  Another
+    failure (an engine that timed out while being built, a new problem on the
+    way) is not the recorded one reproducing.  A file that records no failure
+    (a hand-written scenario without one) is reproduced by any failure."""
+    from conformance.results.defects import title_of
+
+    if not outcome.reproduced:
+        return False
+    kind, message = repro.failure.get("kind"), repro.failure.get("message")
+    if kind and kind != outcome.kind:
+        return False
+    # The recorded title within the replay's: a hand-written file may record the start of a message
+    # ("schedule() did not return") where the replay names more (the class, the seconds it waited).
+    if not message:
+        return True
+    recorded, got = title_of(kind, message), title_of(outcome.kind, outcome.message)
+    return recorded.partition(": ")[2] in got.partition(": ")[2]
+
+
+def observers_of(check_id: str) -> tuple[str, ...]:
     try:
         return get_check(check_id).observers
     except KeyError:  # a scenario file names no check of this suite: logits and invariants only

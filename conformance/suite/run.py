@@ -10,6 +10,7 @@ from conformance.judge.metrics import merge_summaries
 from conformance.results.records import CheckResult, RunResult
 from conformance.results.report import ReportDir
 from conformance.suite.execute import check_faults_exercised, run_check
+from conformance.suite.known import as_dict, replay_pinned
 from conformance.suite.options import RunOptions, now
 from conformance.suite.prepare import prepare_run, select_shard
 from conformance.suite.prepared import Resources, Run, resources_for
@@ -30,7 +31,8 @@ def new_result(run: Run) -> RunResult:
                      implementation_build=str(getattr(run.factory, "build", "") or ""),
                      impl_config={"options": dict(run.impl_options), "block_size": run.pools.block_size,
                                   "num_kv_blocks": run.pools.num_kv_blocks,
-                                  "num_state_slots": run.pools.num_state_slots})
+                                  "num_state_slots": run.pools.num_state_slots},
+                     expectations=as_dict(run.expectations))
 
 
 def execute(run: Run) -> RunResult:
@@ -41,6 +43,11 @@ def execute(run: Run) -> RunResult:
     parallel = None
     try:
         res = resources_for(run)
+        if run.expectations is not None and run.expectations.table.open():
+            # FIXED is decided by each open defect's pinned repro, replayed here on this implementation.
+            notify("defect-replays", total=len(run.expectations.table.open()))
+            result.defect_replays = replay_pinned(run.expectations, run.factory, res.model, res.oracle, run.timeout)
+            notify("defect-replays-done", replays=result.defect_replays)
         if run.workers > 1 and len(run.checks) > 1:
             from conformance.suite.parallel import run_parallel
 
@@ -50,7 +57,8 @@ def execute(run: Run) -> RunResult:
             check = run_check(run, planned, res, notify)
             record(result, check, reports)
             notify("check-end", check=planned.id, result=check)
-            if run.stop_at_failure and check.status in ("failed", "error"):
+            if run.stop_at_failure and check.status in ("failed", "error") \
+                    and not (check.failure is not None and check.failure.defect):  # a known defect: go on
                 break
     except BaseException as exc:  # a signal, or the harness itself raised outside any check
         result.interrupted = True

@@ -50,13 +50,36 @@ class VllmCache:
         A speculative configuration is built here, as vLLM validates one by
         building it (once per process, outside any call's timeout: the draft
         model's config is inspected in a subprocess, 30 s and more on a loaded
-        machine)."""
-        opts = VllmOptions.from_config(config)
-        if opts.spec_tokens:
-            from conformance.adapters.vllm.config import model_config
+        machine).  The ModelConfig of the options' ``max_model_len`` too."""
+        from conformance.adapters.vllm.config import model_config
 
-            speculative.speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes,
-                                           model_config(opts.max_model_len))
+        opts = VllmOptions.from_config(config)
+        built = model_config(opts.max_model_len)  # likewise per max_model_len (a replay's may not be the default)
+        if opts.spec_tokens:
+            speculative.speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes, built)
+
+    @classmethod
+    def defect_facts(cls, config: ImplConfig) -> dict:
+        """What a known defect's conditions are judged on (fixtures/expectations/
+        vllm-*.toml ``when``), named once here instead of every way of writing
+        the options: the Mamba layer's spec (``mamba2``: MambaMixer2's, with a
+        prefill checkpoint block; ``gdn``: GDN's as on a CPU), the real block
+        size and match unit, whether hits can end inside a block, the
+        connector's reconciliation path, and the speculative method (none
+        without speculative decoding)."""
+        o = VllmOptions.from_config(config)
+        connector = None
+        if o.connector is not None:
+            from conformance.adapters.vllm.connector import connector_options
+
+            c = connector_options(o.connector)
+            connector = "divergent" if c["divergent"] else "plain"
+            async_ = c["async"]
+        return {"layer": o.layer, "block_size": o.block_size, "prefix_match_unit": o.prefix_match_unit,
+                "sub_block": o.prefix_match_unit < o.block_size, "connector": connector,
+                "connector_async": async_ if connector else None,
+                "spec": o.spec_method if o.spec_tokens else None, "spec_tokens": o.spec_tokens or 0}
+
     # The configurations under which each check family's situations are
     # reachable in vLLM (conformance/suite/config_matrix.py expands every check into
     # one variant per set; ``{}`` is vLLM's defaults: match unit = block size,

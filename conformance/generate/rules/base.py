@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 from hypothesis import note
 from hypothesis.stateful import RuleBasedStateMachine, invariant
@@ -44,7 +45,8 @@ class MachineBase(RuleBasedStateMachine):
     def __init__(self, impl_factory, spec: CheckSpec | None = None, *, model: TinyHybrid | None = None,
                  oracle: Oracle | None = None, impl_config: ImplConfig | None = None,
                  timeout: float | None = 30.0, recorder: Recorder | None = None,
-                 attach: Callable[[Session], None] | None = None, probe: bool = True):
+                 attach: Callable[[Session], None] | None = None, probe: bool = True,
+                 known: Callable[[Exception], Any] | None = None):
         super().__init__()
         self.impl_factory = impl_factory
         self.spec = spec or mixed()
@@ -57,6 +59,13 @@ class MachineBase(RuleBasedStateMachine):
         self.attach = attach
         # The pool probe after each example (generate/probe_sizing.py): black-box leak detection.
         self.probe = probe
+        # Classifies a failure as a known defect of the engine version (or None:
+        # NEW).  A known one ends the example quietly (``stopped``): recorded,
+        # not raised, so Hypothesis counts the example valid, never shrinks
+        # towards it, and goes on exploring with the rest of the budget
+        # (conformance/suite/known.py).
+        self.known = known
+        self.stopped = False
         self.failed = False
         self.B = self.impl_config.block_size
         self.max_len = self.spec.max_seq_blocks * self.B
@@ -85,15 +94,31 @@ class MachineBase(RuleBasedStateMachine):
             self.apply(HoldTransfers())
 
     def apply(self, op: Op) -> None:
+        if self.stopped:
+            # A known defect ended this example: the session may be corrupt (a
+            # step raised half-way), so the remaining rules touch nothing.  They
+            # still draw, so the example's choices stay what they were.
+            return
         note(repr(op))
         self.ops.append(op)
         self.recorder.steps += 1
         try:
             self.session.apply(op)
         except (ConformanceFailure, ImplementationError) as exc:
+            if self._absorb_known(exc):
+                return
             self._found(exc)
             raise
         self.finished = [rid for rid, t in self.session.tracks.items() if t.done and t.generated > 0]
+
+    def _absorb_known(self, exc: Exception) -> bool:
+        defect = self.known(exc) if self.known is not None else None
+        if defect is None:
+            return False
+        self.stopped = True
+        self.recorder.met(defect, exc, [op_to_dict(o) for o in self.ops], self.session.history.tail(64))
+        note(f"known defect {defect.id} met; the example ends here: {exc}")
+        return True
 
     def _found(self, exc: ConformanceFailure | ImplementationError) -> None:
         """Record a finding; a hang abandons the check at once (:class:`Abandoned`:
@@ -109,7 +134,8 @@ class MachineBase(RuleBasedStateMachine):
 
     def teardown(self):
         try:
-            if self.session is not None and self.probe and not self.failed and self._probe_due():
+            if self.session is not None and self.probe and not self.failed and not self.stopped \
+                    and self._probe_due():
                 # At idle the cache must still serve what a fresh instance serves:
                 # a leaked block or slot fails here, whatever its view says.
                 try:
@@ -160,7 +186,7 @@ class MachineBase(RuleBasedStateMachine):
     def harness_bookkeeping_is_sane(self):
         """The harness's own record never runs ahead of itself (a harness bug
         here would make every other verdict meaningless)."""
-        if self.session is None:
+        if self.session is None or self.stopped:
             return
         for rid, t in self.session.tracks.items():
             assert t.generated <= t.max_new, f"{rid}: generated {t.generated} of {t.max_new}"

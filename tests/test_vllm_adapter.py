@@ -20,7 +20,7 @@ from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
 from conformance.contract import ImplConfig, Layout  # noqa: E402
 from conformance.errors import ConformanceFailure  # noqa: E402
 from conformance.harness.ops import Abort, Drain, Step, Submit  # noqa: E402
-from fault_injection.vllm_mutants import VLLM_MUTANTS  # noqa: E402
+from fault_injection.vllm_mutants import FIXES, VLLM_MUTANTS  # noqa: E402
 
 B = 4
 SHARED = tuple(range(1, 12))  # 11 tokens: ends inside the third block
@@ -242,7 +242,7 @@ def test_mutant_is_caught(model, oracle, mutant):
     assert caught.value.kind in ("logits", "invariant")
 
 
-@pytest.mark.parametrize("mutant", sorted(VLLM_MUTANTS))
+@pytest.mark.parametrize("mutant", sorted(set(VLLM_MUTANTS) - set(FIXES)))  # a fix has nothing to catch
 @pytest.mark.parametrize("divergent", [False, True])
 def test_mutant_is_caught_with_a_tier(model, oracle, mutant, divergent):
     s = make_tiered(model, oracle, divergent, mutant=mutant)
@@ -286,7 +286,7 @@ def test_connector_survives_environment_faults(model, oracle, fault):
         assert stats["failed_loads"] > 0, stats  # a bad load was noticed, not trusted
 
 
-@pytest.mark.parametrize("mutant", sorted(VLLM_MUTANTS))
+@pytest.mark.parametrize("mutant", sorted(set(VLLM_MUTANTS) - set(FIXES)))  # a fix has nothing to catch
 def test_state_machine_catches_every_vllm_mutant(mutant, tmp_path):
     """The mutants self-check, as ``hybrid-conformance mutants --impl vllm``
     runs it: the general checks (here the first of the profile, with the
@@ -303,7 +303,9 @@ def test_state_machine_catches_every_vllm_mutant(mutant, tmp_path):
     entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=("mid-block-hits", "multi-turn-replay")),
                        tmp_path / mutant)
     assert entry["detected"], entry["not_detections"]
-    assert entry["kind"] in ("logits", "invariant") and entry["repro_steps"] <= 8, entry
+    # contract: a plan the conflict rules refuse at schedule() time (harness/conflicts.py), which a
+    # correct cache never makes: the same bug named one step before its wrong logits
+    assert entry["kind"] in ("logits", "invariant", "contract") and entry["repro_steps"] <= 8, entry
     repro = json.loads(open(entry["repro"]).read())
     assert repro["impl"] == "vllm" and repro["mutant"] == mutant
     assert replay(load(entry["repro"])).reproduced

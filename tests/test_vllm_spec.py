@@ -116,8 +116,8 @@ def test_ngram_with_a_budget_below_one_plus_k_never_schedules_a_one_token_reques
 def test_eagle_refuses_a_budget_at_or_below_its_lookahead_at_start_up():
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 
-    from conformance.adapters.vllm.config import model_config as _tiny_model_config
     from conformance.adapters.vllm.speculative import speculative_config
+    from conformance.adapters.vllm.tiny_model import model_config as _tiny_model_config
 
     def build(method, tokens):
         sched = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=tokens, max_model_len=4096,

@@ -42,7 +42,7 @@ from conformance.harness.oracle import Oracle
 from conformance.judge.disagg import judged_disagg_session
 from conformance.results.records import CheckResult, Failure
 from conformance.results.repro import operations_key
-from conformance.suite.execute import engine_config
+from conformance.suite.asked import engine_config
 from conformance.suite.prepared import PlannedCheck, Resources, Run
 from conformance.suite.seeds import check_seed
 from conformance.suite.verdict import coverage_failure, run_machine

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from hypothesis import seed as hypothesis_seed
@@ -16,9 +16,9 @@ from conformance.contract import ImplConfig
 from conformance.errors import FailureKind, ImplementationError
 from conformance.generate.machine import HybridCacheMachine, Recorder, hypothesis_settings
 from conformance.generate.spec import CheckSpec
-from conformance.harness.guard import guarded
 from conformance.judge.metrics import CacheMetrics
 from conformance.results.records import CheckResult, Failure, RunResult
+from conformance.suite.asked import UNKNOWN, Hung, ask, declared_retention, engine_config, real_block_size
 from conformance.suite.config_matrix import parse_variant_id
 from conformance.suite.known import classifier_for, known_entry, minimize_known
 from conformance.suite.options import ProgressFn
@@ -47,70 +47,6 @@ def check_impl_config(spec: CheckSpec, impl_options: Mapping[str, Any], pools: P
                             options={**spec.options, **tier, **drafts, **impl_options})
 
 
-class _Hung(Exception):
-    """Asking the implementation before the check hung: the check reports it and calls it no more."""
-
-    def __init__(self, error: ImplementationError):
-        super().__init__(str(error))
-        self.error = error
-
-
-def _ask(what: str, fn, *args, timeout: float | None):
-    """A guarded call before the check; a hang ends the check (:class:`_Hung`)."""
-    try:
-        return guarded(what, fn, *args, timeout=timeout)
-    except ImplementationError as exc:
-        if exc.kind == "timeout":
-            raise _Hung(exc) from None
-        raise
-
-
-def real_block_size(factory, impl_config, timeout: float | None, impl=None):
-    """The configuration with the block size the implementation really uses
-    (``layout()``: an engine may raise the one asked for, as vLLM raises a
-    hybrid model's attention block to hold a Mamba page), so that the
-    generator draws prompt lengths and budgets around the real blocks.  The
-    same configuration when it keeps the block size asked for.  ``impl``: an
-    instance built with ``impl_config`` already (built here otherwise)."""
-    try:
-        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
-        block_size = _ask("layout()", impl.layout, timeout=timeout).block_size
-    except ImplementationError:
-        return impl_config  # the check builds it again and reports the error, with context
-    return impl_config if block_size == impl_config.block_size else replace(impl_config, block_size=block_size)
-
-
-_UNKNOWN = object()  # building the implementation failed: the check reports it itself
-
-
-def engine_config(factory, impl_config, timeout: float | None, impl=None) -> dict:
-    """What the implementation, built with this configuration, says it was
-    started with (optional ``engine_config()``, see conformance/contract.py);
-    empty when it says nothing or cannot be built (the check reports that).
-    ``impl``: an instance built with ``impl_config`` already (built here otherwise)."""
-    if isinstance(factory, type) and not callable(getattr(factory, "engine_config", None)):
-        return {}
-    try:
-        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
-        describe = getattr(impl, "engine_config", None)
-        return dict(_ask("engine_config()", describe, timeout=timeout)) if callable(describe) else {}
-    except ImplementationError:
-        return {}
-
-
-def _declared_retention(factory, impl_config, timeout: float | None, impl=None):
-    """The retention policy the implementation, built with this
-    configuration, declares (an engine may declare one for some settings
-    only): a dict, None when it declares none, ``_UNKNOWN`` when it could
-    not be asked.  ``impl``: an instance built with ``impl_config`` already."""
-    if isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
-        return None
-    try:
-        impl = impl or _ask("building the implementation", factory, impl_config, timeout=timeout)
-        retention = getattr(impl, "retention", None)
-        return _ask("retention()", retention, timeout=timeout) if callable(retention) else None
-    except ImplementationError:
-        return _UNKNOWN  # the check itself builds it again and reports the error, with context
 
 
 def retention_note(configured: dict, declared) -> str | None:
@@ -153,21 +89,21 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     try:
         # One instance answers both questions when it keeps the block size asked
         # for (building an engine twice costs seconds); a hang ends the check here.
-        built = _ask("building the implementation", factory, asked, timeout=run.timeout)
-    except _Hung as hung:
+        built = ask("building the implementation", factory, asked, timeout=run.timeout)
+    except Hung as hung:
         return _abandoned(spec, hung.error)
     except ImplementationError:
         built = None  # the check builds it again and reports the error, with context
     notes: list[str] = []
-    declared = None if built is not None else _UNKNOWN
+    declared = None if built is not None else UNKNOWN
     try:
         impl_config = real_block_size(factory, asked, run.timeout, built) if built is not None else asked
         started_with = engine_config(factory, impl_config, run.timeout, built if impl_config is asked else None) \
             if built is not None else {}
         if (spec.observe or spec.observe_when_declared) and built is not None:
-            declared = _declared_retention(factory, impl_config, run.timeout,
+            declared = declared_retention(factory, impl_config, run.timeout,
                                            built if impl_config is asked else None)
-    except _Hung as hung:
+    except Hung as hung:
         return _abandoned(spec, hung.error)
     if spec.observe:
         note = retention_note(impl_config.options, declared)

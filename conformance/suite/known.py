@@ -147,13 +147,13 @@ def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeo
     from conformance.harness.oracle import Oracle
     from conformance.model import TinyHybrid
     from conformance.suite.minimize import replay_fails
-    from conformance.suite.replay import observers_of
+    from conformance.suite.repro_setup import observers_of
 
     repro = pinned.repro
     if model is None or model.config != repro.model:
         model = TinyHybrid(repro.model)
         oracle = Oracle(model)
-    from conformance.suite.replay import prepare_factory
+    from conformance.suite.repro_setup import prepare_factory
 
     facts = implementation_facts(factory, repro.impl_config)
     record = {"defect": defect.id, "repro": str(defect.repro), "operations": len(repro.operations)}

@@ -23,7 +23,7 @@ from conformance.harness.session import make_session
 from conformance.judge import standard_checkers
 from conformance.model import TinyHybrid
 from conformance.results.repro import Repro, operations_key
-from conformance.suite.checks import get_check
+from conformance.suite.repro_setup import observers_of, prepare_factory
 
 
 @dataclass
@@ -85,24 +85,6 @@ def build_factory(impl: str, mutant: str | None):
         except TypeError as exc:
             raise UsageError(f"mutant {mutant}: {exc}") from None
     return factory
-
-
-def prepare_factory(factory, repro: Repro) -> None:
-    """What a run does before its first example, done before the first
-    operation: the implementation's one-time set-up (``warm_up``) and its
-    check of the file's options (``validate_options``, which for vLLM builds
-    the configurations the options need), both outside every call's timeout.
-    Building vLLM's ModelConfig takes 30 s and more on a loaded machine: inside
-    the first call it would be a timeout, not the recorded failure."""
-    warm_up = getattr(factory, "warm_up", None)
-    if callable(warm_up):
-        warm_up()
-    validate = getattr(factory, "validate_options", None)
-    if callable(validate):
-        try:
-            validate(repro.impl_config)
-        except ValueError as exc:
-            raise ReproFormatError(f"impl_config.options: {exc}") from None
 
 
 def _build_faults(names: list[str], seed: int):
@@ -190,13 +172,6 @@ def same_failure(repro: Repro, outcome: ReplayOutcome) -> bool:
         return True
     recorded, got = title_of(kind, message), title_of(outcome.kind, outcome.message)
     return recorded.partition(": ")[2] in got.partition(": ")[2]
-
-
-def observers_of(check_id: str) -> tuple[str, ...]:
-    try:
-        return get_check(check_id).observers
-    except KeyError:  # a scenario file names no check of this suite: logits and invariants only
-        return ()
 
 
 def witness(repro: Repro, outcome: ReplayOutcome) -> str:

@@ -22,8 +22,8 @@ from vllm.v1.request import Request as VRequest
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+import conformance.adapters.vllm.compat as compat
 import conformance.adapters.vllm.speculative as speculative
-from conformance.adapters.vllm import compat
 from conformance.adapters.vllm.config import VllmOptions
 from conformance.adapters.vllm.disagg import VllmDisagg
 from conformance.adapters.vllm.startup import start
@@ -51,7 +51,7 @@ class VllmCache:
         building it (once per process, outside any call's timeout: the draft
         model's config is inspected in a subprocess, 30 s and more on a loaded
         machine).  The ModelConfig of the options' ``max_model_len`` too."""
-        from conformance.adapters.vllm.config import model_config
+        from conformance.adapters.vllm.tiny_model import model_config
 
         opts = VllmOptions.from_config(config)
         built = model_config(opts.max_model_len)  # likewise per max_model_len (a replay's may not be the default)
@@ -150,9 +150,9 @@ class VllmCache:
     def warm_up(cls) -> None:
         """Build the default ModelConfig once (vLLM inspects the model in a
         subprocess: 15 s and more on a loaded machine), outside any example."""
-        from conformance.adapters.vllm.config import MAX_MODEL_LEN_CEILING, _model_config
+        from conformance.adapters.vllm.tiny_model import model_config
 
-        _model_config(MAX_MODEL_LEN_CEILING)
+        model_config()
 
     @property
     def pool(self):

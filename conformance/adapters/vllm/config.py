@@ -42,15 +42,11 @@ numbers below are vllm 0.33.0's:
 
 from __future__ import annotations
 
-import copy
-import functools
-import json
-import os
-import tempfile
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapters.vllm import compat
+import conformance.adapters.vllm.compat as compat
+from conformance.adapters.vllm.tiny_model import MAX_MODEL_LEN_CEILING, model_config
 from conformance.contract import ImplConfig
 
 ADMISSIONS = ("second-hit", "always")
@@ -245,48 +241,6 @@ def hybrid_block_size(requested: int, layer: str = "mamba2", kernel_block: int =
     return max(requested, attn_block)
 
 
-# A tiny decoder config: ModelConfig inspects the architecture in a subprocess
-# (about 15 s), so the folder and the ModelConfig are built once per process.
-_TINY_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "vocab_size": 256, "max_position_embeddings": 65536,
-                "torch_dtype": "float32", "rms_norm_eps": 1e-6}
-
-
-# The longest max_model_len the adapter fits a pool to (vLLM's start-up check
-# decides below it); a longer one is built only when asked for.
-MAX_MODEL_LEN_CEILING = 4096
-
-
-@functools.lru_cache(maxsize=4)
-def _built_model_config(max_model_len: int):
-    from vllm.config import ModelConfig
-
-    folder = tempfile.mkdtemp(prefix="hcc-vllm-model-")
-    with open(os.path.join(folder, "config.json"), "w") as fh:
-        json.dump(_TINY_CONFIG, fh)
-    return ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)
-
-
-def _model_config(max_model_len: int):
-    """A ModelConfig of this ``max_model_len``.  Up to the ceiling, a copy of
-    the one built at the ceiling with the length set, as vLLM's own
-    ``estimate_max_model_len`` sets it: building another costs a model
-    inspection in a subprocess (15 s), and every pool fits another length."""
-    if max_model_len > MAX_MODEL_LEN_CEILING:
-        return _built_model_config(max_model_len)
-    base = _built_model_config(MAX_MODEL_LEN_CEILING)
-    if max_model_len == base.max_model_len:
-        return base
-    config = copy.copy(base)
-    config.max_model_len = max_model_len
-    return config
-
-
-def model_config(max_model_len: int | None = None):
-    """The adapter's tiny ``ModelConfig`` of this length (``None``: the ceiling
-    a pool is fitted under)."""
-    return _model_config(max_model_len or MAX_MODEL_LEN_CEILING)
 
 
 def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
@@ -314,8 +268,8 @@ def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
         from conformance.adapters.vllm.speculative import speculative_config
 
         kw["speculative_config"] = speculative_config(opts.spec_method, opts.spec_tokens, opts.spec_lookahead_hashes,
-                                                      _model_config(length))
-    vc = VllmConfig(model_config=_model_config(length), scheduler_config=sched, cache_config=cache,
+                                                      model_config(length))
+    vc = VllmConfig(model_config=model_config(length), scheduler_config=sched, cache_config=cache,
                     **kw)
     vc.cache_config.num_gpu_blocks = opts.num_blocks
     return vc

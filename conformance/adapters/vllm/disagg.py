@@ -124,7 +124,7 @@ class VllmDisagg:
     name = "vllm-disagg"
 
     def __init__(self, config: ImplConfig | None = None):
-        from conformance.adapters.vllm import compat
+        import conformance.adapters.vllm.compat as compat
 
         self.version, self.build = compat.installed().version, compat.installed().build
         o = dict(DEFAULTS, **((config.options if config else {}) or {}))

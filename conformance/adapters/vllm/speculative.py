@@ -49,7 +49,7 @@ import os
 import tempfile
 from typing import Any
 
-from conformance.adapters.vllm import compat
+import conformance.adapters.vllm.compat as compat
 from conformance.contract import Speculation
 
 METHODS = ("eagle", "mtp", "ngram")
@@ -98,8 +98,8 @@ def speculative_config(method: str, k: int, lookahead_hashes: bool, model_config
     :mod:`.startup`), with the target's length set as vLLM's own
     ``_maybe_override_draft_max_model_len`` sets it: the draft's length capped
     at the target's.  The scheduler only reads it."""
-    from conformance.adapters.vllm.config import MAX_MODEL_LEN_CEILING
-    from conformance.adapters.vllm.config import model_config as tiny_model_config
+    from conformance.adapters.vllm.tiny_model import MAX_MODEL_LEN_CEILING
+    from conformance.adapters.vllm.tiny_model import model_config as tiny_model_config
 
     key = (method, k, lookahead_hashes)
     if key not in _BUILT:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conformance.adapters.vllm import compat
+import conformance.adapters.vllm.compat as compat
 from conformance.adapters.vllm.config import (
     MAX_MODEL_LEN_CEILING,
     VllmOptions,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conformance.adapters.vllm import compat
+import conformance.adapters.vllm.compat as compat
 from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
 from conformance.contract import FRESH, RESUME, RequestStep, StepPlan, copy_from
 

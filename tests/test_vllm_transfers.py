@@ -20,6 +20,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.contract import ImplConfig  # noqa: E402
 from conformance.errors import ConformanceFailure  # noqa: E402
+from conformance.generate.probe_sizing import pool_probe  # noqa: E402
 from conformance.harness.history import Planned  # noqa: E402
 from conformance.harness.ops import Abort, Deliver, Drain, HoldTransfers, Step, StoreEvict, Submit  # noqa: E402
 from conformance.judge import judged_session  # noqa: E402
@@ -137,6 +138,23 @@ def test_abort_while_the_load_is_held(model, oracle):
     assert not s.pending_loads() and not s.impl.scheduler.requests
     view = s.impl.view()
     assert all(n == 0 for n in view.kv_refcounts.values()), view.kv_refcounts
+
+
+def test_the_pool_probe_starts_after_a_held_load_of_an_aborted_request_lands(model, oracle):
+    """The held load outlives the abort and the drain (no request is active):
+    vLLM frees the request's blocks only when the load is reported (the next
+    step's ``finished_recving``), so the probe lands it before it measures,
+    and finds nothing leaked (seed 1's tier-races false positive: 9 of 28
+    short requests scheduled where a fresh instance schedules 13)."""
+    s = _session(model, oracle)
+    _reload(s)
+    s.apply(Abort("q"))
+    assert s.pending_loads() and not s.active(), "the held loads outlive the abort"
+    config = ImplConfig(block_size=B, num_kv_blocks=28, num_state_slots=10, options={"connector": "async"})
+    probe = pool_probe(VllmCache, config, model, oracle)
+    assert probe is not None and probe.concurrent
+    s.apply(probe)  # raises ConformanceFailure("invariant", "lifetime: ...") on a leak
+    assert not s.pending_loads()
 
 
 def test_blocks_vllm_registers_when_it_schedules_them_are_not_held_for_that_request(model, oracle):

@@ -1,6 +1,10 @@
 """Executing the pool probe (:class:`~conformance.harness.ops.Probe`), a
 black-box lifetime check that believes nothing the implementation says about
-itself: finish what is active; then, at idle, ``op.concurrent`` short
+itself: finish what is active, and step until no transfer is in flight
+either (a request aborted while its load was in flight keeps its blocks
+until the load completes, and a load completes only in a step: vLLM frees
+them when the connector reports it in ``finished_recving``); then, at idle
+(:meth:`~conformance.harness.session.Session.idle`), ``op.concurrent`` short
 requests submitted together, and one ``op.kv_tokens``-token request, as a
 fresh instance of the implementation serves them (the numbers are measured on
 one, :mod:`conformance.generate.probe_sizing`).
@@ -29,6 +33,7 @@ from conformance.errors import ConformanceFailure
 from conformance.harness.checker import ProbeStall, ProbeStep
 from conformance.harness.ops import Probe, Submit
 from conformance.harness.probe_prompts import SHORT_LEN, probe_prompts
+from conformance.harness.step import STALL_STEPS
 
 if TYPE_CHECKING:
     from conformance.harness.checker import CheckerSet
@@ -54,12 +59,18 @@ class PoolProbe:
 
         def _submit(self, op: Submit) -> None: ...
 
-        def _step(self, budget: int) -> None: ...
+        def _step(self, budget: int, transfers: bool = False) -> None: ...
+
+        def idle(self) -> bool: ...
 
         def _drain(self, budget: int) -> None: ...
 
     def _probe(self, op: Probe) -> None:
         self._drain(1024)
+        for _ in range(STALL_STEPS):  # every transfer in flight lands in the next step; bounded all the same
+            if self.idle():
+                break
+            self._step(1024, transfers=True)
         self.probing = self.runner.dry = True  # capacity, not logits: the steps are not computed
         self._probes += 1
         short, long = probe_prompts(self.model.config.vocab_size, op.kv_tokens, op.concurrent)

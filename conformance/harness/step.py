@@ -54,8 +54,10 @@ class Stepping:
 
         def _settle(self) -> CacheView: ...
 
-    def _step(self, budget: int) -> None:
-        if not self.active():
+    def _step(self, budget: int, transfers: bool = False) -> None:
+        """One step; with ``transfers``, also one without an active request
+        while transfers are in flight (they complete only in a step)."""
+        if not self.active() and not (transfers and self.runner.transport.busy()):
             return
         view_before = self.last_view
         plan: StepPlan = self.call("schedule", budget)

@@ -106,11 +106,16 @@ class Speculative(MachineBase):
 
     @configured_rule(precondition=_speculating, base=lambda c: st.integers(0, 2),
                      cut=lambda c: strategies.boundary_lengths(c.B, c.spec.max_prompt_blocks),
-                     extra=lambda c: st.sampled_from(sorted({1, 2, c.B - 1, c.B + 1} - {0})), **_DRAFTS)
+                     extra=lambda c: st.sampled_from(sorted({1, 2, c.B - 1, c.B + 1, c.B + 2} - {0})), **_DRAFTS)
     def verify_beside_prefill(self, base, cut, extra, which, count, agree):
-        """A new prompt arrives as drafts are verified, under a budget that
-        leaves it a chunk ending before its prompt does."""
-        rid = self._draft(which, count, agree)
+        """A new prompt arrives as drafts are verified (at least one: no
+        drafts, no verification), under a budget that leaves it a chunk
+        ending before its prompt does: ``extra`` tokens, sub-block (1, 2,
+        B - 1) for a cache that ends a chunk anywhere, a block and more
+        (B + 1, B + 2) for one that ends a mid-prompt chunk only on a block
+        boundary (vLLM's align mode rounds the sub-block ones down to
+        nothing, scheduler.py ``_mamba_block_aligned_split``)."""
+        rid = self._draft(which, max(1, count), agree)
         if rid is None:
             return
         prompt = self.bases[base][: max(cut, 2 * self.B + 1)]

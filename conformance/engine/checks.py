@@ -503,9 +503,8 @@ def same_chunk_references(v: Variant, traces: list[Trace], off: CacheOffReferenc
     both.  Asked only where a request fails, so a clean run does not pay."""
     if noise_verdict(tol) is not None or not block_size:
         return {}
-    todo = list(dict.fromkeys(
-        (r.prompt, r.max_tokens) for tr in traces for r, o, _ in tr.requests()
-        if compare_to_cache_off(o.tokens, o.logprobs, *_ref(off, r), tol) is not None))
+    todo = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, o, _ in tr.requests()
+                              if _beyond(o, off.get(r.prompt, r.max_tokens), tol)))
     if not todo:
         return {}
     chunked = VllmEngine(v.model, False, replace(opts, fault=None, max_num_batched_tokens=block_size))
@@ -520,6 +519,5 @@ def same_chunk_references(v: Variant, traces: list[Trace], off: CacheOffReferenc
     return out
 
 
-def _ref(off: CacheOffReference, req) -> tuple:
-    ref = off.get(req.prompt, req.max_tokens)
-    return ref.tokens, ref.logprobs
+def _beyond(got: EngineOutput, ref: EngineOutput, tol: Tolerance) -> bool:
+    return compare_to_cache_off(got.tokens, got.logprobs, ref.tokens, ref.logprobs, tol) is not None

@@ -242,7 +242,10 @@ def test_mutant_is_caught(model, oracle, mutant):
     assert caught.value.kind in ("logits", "invariant")
 
 
-@pytest.mark.parametrize("mutant", sorted(set(VLLM_MUTANTS) - set(FIXES)))  # a fix has nothing to catch
+# The sub-block mutants are planted under sub-block matching beside the known sub-block defects, a path this
+# hand-written tier history (whole-block hits) does not take: the state machine test below catches them there.
+@pytest.mark.parametrize("mutant", sorted(m for m in set(VLLM_MUTANTS) - set(FIXES)
+                                           if not m.startswith("vllm-sub-block-")))
 @pytest.mark.parametrize("divergent", [False, True])
 def test_mutant_is_caught_with_a_tier(model, oracle, mutant, divergent):
     s = make_tiered(model, oracle, divergent, mutant=mutant)

@@ -21,16 +21,24 @@ class Pressure(MachineBase):
                      suffix=lambda c: strategies.tokens(c.vocab, 1))
     def pressure(self, junk, which, cut, suffix):
         before = list(self.session.tracks)
+        # The latest junk one token short, so that it and one token more fit
+        # the longest sequence (the reuse below extends it whole).
+        junk = [*junk[:-1], junk[-1][:-1]]
         for prompt in junk:
             self.apply(Submit(self.new_id(), prompt, 1))
             self.apply(Drain(1024))
-        # Reuse right after the pool turned over: a prefix of a request from
-        # before (evicted: a miss, or a load from a second tier), then one of
-        # the latest junk (what an LRU cache still holds), so that a hit after
-        # an eviction -- what eviction-pressure requires -- occurs every time.
+        # Reuse right after the pool turned over.  First the latest junk whole
+        # and one token more: what an LRU cache still holds, and at the depth
+        # every cache that reuses keeps (a state at the prompt's end, or at its
+        # last checkpoint before it; SGLang's no_buffer mode keeps the end
+        # only, so a prefix cut inside the prompt never hits there), so that a
+        # hit after an eviction -- what eviction-pressure requires -- occurs
+        # whenever this round evicted.  Then a prefix of a request from before
+        # (evicted: a miss, or a load from a second tier) and one of the latest
+        # junk, cut at a block boundary or beside it.
         earlier = [self.session.tracks[before[which % len(before)]].tokens] if before else []
-        for seq in (*earlier, junk[-1]):
-            again = seq[: min(cut, len(seq) - 1)] + suffix
+        reuse = [junk[-1] + suffix] + [seq[: min(cut, len(seq) - 1)] + suffix for seq in (*earlier, junk[-1])]
+        for again in reuse:
             if self.fits(len(again), 1):
                 self.apply(Submit(self.new_id(), again, 1))
                 self.apply(Drain(1024))

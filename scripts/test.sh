@@ -131,7 +131,7 @@ log "linting (ruff) and type-checking (mypy)"
 log "running the tests"
 export VLLM_TARGET_DEVICE=cpu
 # -rs: the summary lists every skipped test with its reason (a skip is not a pass).
-"$main_env/bin/python" -m pytest -q -rs -p no:cacheprovider "$@"
+"$main_env/bin/python" -m pytest -q -rs --durations=25 -p no:cacheprovider "$@"
 rc=$?
 if [ -n "$sglang_py" ] && [ $# -eq 0 ]; then
   log "running the SGLang adapter tests in $VENVS/sglang"

@@ -148,6 +148,8 @@ class Speculative(MachineBase):
         if self.busy():
             self.apply(Drain(1024))
         declared = self.session.speculator.declared
+        if declared is None:  # the precondition's; kept for the type checker
+            return
         k = min(3, declared.max_drafts)
         prompt = self.bases[base][: blocks * self.B + offset]
         max_new = self.spec.max_new_tokens

@@ -17,3 +17,31 @@ def model():
 @pytest.fixture(scope="session")
 def oracle(model):
     return Oracle(model)
+
+
+@pytest.fixture
+def machine(monkeypatch, model):
+    """A bound state machine driven by hand, rule by rule (Hypothesis's note()
+    needs a test of its own): ``machine(check, factory=ReferenceCache,
+    **options)``; options default to the check's, with its second tier on."""
+    import random
+
+    import conformance.generate.rules.base as base
+    from conformance.adapters.reference import ReferenceCache
+    from conformance.generate.machine import HybridCacheMachine
+    from conformance.suite.checks import get_check
+
+    monkeypatch.setattr(base, "note", lambda *_: None)
+
+    def build(check: str, factory=ReferenceCache, **options):
+        spec = get_check(check)
+        option = getattr(factory, "tier_option", None)
+        tier = {option[0]: option[1]} if spec.tier and option else {}
+        config = spec.impl_config(options={**spec.options, **tier, **options})
+        m = HybridCacheMachine(factory, spec, model=model, impl_config=config)
+        rng = random.Random(0)
+        m.start(tuple(tuple(rng.randrange(64) for _ in range(config.block_size * (spec.max_prompt_blocks + 1)))
+                      for _ in range(3)))
+        return m
+
+    return build

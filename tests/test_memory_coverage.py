@@ -124,25 +124,7 @@ def test_a_state_that_outlives_its_kv_is_counted(model, oracle, tokens):
 
 
 # -- the targeted rules build their history in one draw ---------------------------------------------
-@pytest.fixture
-def machine(monkeypatch, model):
-    """A bound machine driven by hand (Hypothesis's note() needs a test of its own)."""
-    import conformance.generate.rules.base as base
-    from conformance.generate.machine import HybridCacheMachine
-    from conformance.suite.checks import get_check
-
-    monkeypatch.setattr(base, "note", lambda *_: None)
-
-    def build(check: str):
-        spec = get_check(check)
-        config = spec.impl_config(options={**spec.options, **({"host_tier": True} if spec.tier else {})})
-        m = HybridCacheMachine(ReferenceCache, spec, model=model, impl_config=config)
-        rng = random.Random(0)
-        m.start(tuple(tuple(rng.randrange(64) for _ in range(B * (m.spec.max_prompt_blocks + 1)))
-                      for _ in range(3)))
-        return m
-
-    return build
+# (the `machine` fixture is in conftest.py)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -141,22 +141,12 @@ def test_the_retention_checkers_follow_a_verification_through_its_accepted_draft
 
 
 @pytest.mark.parametrize("options", [{}, {"spec_drop_block": True}])
-def test_the_spec_walk_builds_every_outcome_in_one_draw(monkeypatch, model, options):
+def test_the_spec_walk_builds_every_outcome_in_one_draw(machine, options):
     """spec-walk (issue 22's reach at every seed): one request meets drafts
     wholly accepted, a step without drafts after them, drafts partly accepted,
     drafts all rejected, and a later prompt hits past the accepted ones, also
     where a hit gives a block back to the drafter."""
-    import random
-
-    import conformance.generate.rules.base as base
-    from conformance.generate.machine import HybridCacheMachine
-
-    monkeypatch.setattr(base, "note", lambda *_: None)
-    spec = get_check("spec-decode")
-    m = HybridCacheMachine(ReferenceCache, spec, model=model,
-                           impl_config=spec.impl_config(options={"spec_tokens": 3, **options}))
-    rng = random.Random(0)
-    m.start(tuple(tuple(rng.randrange(64) for _ in range(4 * (spec.max_prompt_blocks + 1))) for _ in range(3)))
+    m = machine("spec-decode", spec_tokens=3, **options)
     m.verify_each_outcome(0, 2, 1, (5,))
     cov = m.session.coverage
     for key in ("drafts_accepted_all", "zero_draft_after_accept", "drafts_accepted_partial", "drafts_rejected_all",

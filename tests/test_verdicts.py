@@ -306,7 +306,9 @@ def test_a_conservative_host_tier_that_says_so_passes_the_tier_checks():
     declared, it is not asked for, and the result says what went unchecked."""
     from conformance.suite.run import RunOptions, run
 
-    result = run(RunOptions(impl=ConservativeTier, checks=("tier-reuse", "tier-races"), write_reports=False))
+    # 6 examples a check (the whole profile's 25 pass as well: measured, notes of issue 21)
+    result = run(RunOptions(impl=ConservativeTier, checks=("tier-reuse", "tier-races"), examples=6,
+                            write_reports=False))
     by_id = {c.id: c for c in result.checks}
     assert by_id["tier-reuse"].status == "passed", by_id["tier-reuse"].failure
     assert by_id["tier-races"].status == "passed", by_id["tier-races"].failure
@@ -318,7 +320,7 @@ def test_a_conservative_host_tier_that_does_not_say_so_is_held_to_the_longer_pre
     """Undeclared, the host tier's longer prefix is a hit-rate promise."""
     from conformance.suite.run import RunOptions, run
 
-    result = run(RunOptions(impl=UndeclaredConservativeTier, checks=("tier-reuse", "tier-races"),
+    result = run(RunOptions(impl=UndeclaredConservativeTier, checks=("tier-reuse", "tier-races"), examples=6,
                             write_reports=False))
     by_id = {c.id: c for c in result.checks}
     assert by_id["tier-reuse"].status == "failed" and by_id["tier-reuse"].failure.kind == "coverage"

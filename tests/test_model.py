@@ -99,3 +99,33 @@ def test_bad_pattern_is_rejected():
         ModelConfig(pattern="RRX")
     with pytest.raises(ValueError, match="hybrid"):
         ModelConfig(pattern="RRR")
+
+
+def _delta_rule_by_einsum(S, q, k, v, decay, beta):
+    """The gated delta rule as the design note writes it, one einsum a product."""
+    outs = []
+    for t in range(q.shape[0]):
+        S = S * decay[t][:, None, None]
+        v_old = torch.einsum("hvk,hk->hv", S, k[t])
+        S = S + beta[t][:, None, None] * torch.einsum("hv,hk->hvk", v[t] - v_old, k[t])
+        outs.append(torch.einsum("hvk,hk->hv", S, q[t]))
+    return torch.stack(outs), S
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_delta_rule_is_the_einsum_formulation_bit_for_bit(dtype):
+    """The model's delta rule is written with matmul for speed (bench/core.py);
+    it must compute exactly what the einsum form does, or every draw and
+    verdict of the suite would move with it."""
+    m = TinyHybrid(ModelConfig(), dtype=dtype)
+    c = m.config
+    g = torch.Generator().manual_seed(3)
+    T, H, K, V = 37, c.rec_heads, c.rec_key_dim, c.rec_value_dim
+    q = torch.nn.functional.normalize(torch.randn(T, H, K, generator=g, dtype=dtype), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(T, H, K, generator=g, dtype=dtype), dim=-1)
+    v = torch.randn(T, H, V, generator=g, dtype=dtype)
+    decay, beta = torch.rand(T, H, generator=g, dtype=dtype), torch.rand(T, H, generator=g, dtype=dtype)
+    S0 = torch.randn(H, V, K, generator=g, dtype=dtype)
+    got, got_S = m._delta_rule(S0, q, k, v, decay, beta, set(), None)
+    want, want_S = _delta_rule_by_einsum(S0, q, k, v, decay, beta)
+    assert torch.equal(got, want) and torch.equal(got_S, want_S)

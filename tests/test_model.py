@@ -112,12 +112,14 @@ def _delta_rule_by_einsum(S, q, k, v, decay, beta):
     return torch.stack(outs), S
 
 
+@pytest.mark.parametrize("form", ["_delta_rule", "_delta_rule_loop", "_delta_rule_chunk"])
 @pytest.mark.parametrize("T", [1, 4, 5, 37, 300])
-def test_the_delta_rule_is_the_einsum_formulation(T):
+def test_the_delta_rule_is_the_einsum_formulation(T, form):
     """The model's delta rule goes token by token for short chunks and in
-    closed form for longer ones (bench/core.py: the oracle's time); both must
-    compute what the design note's einsum form does, with the states captured
-    inside the chunk, far inside the float64 tolerance (1e-9)."""
+    closed form for longer ones (bench/core.py: the oracle's time); each form,
+    at every length, must compute what the design note's einsum form does,
+    with the states captured inside the chunk, far inside the float64
+    tolerance (1e-9)."""
     m = TinyHybrid(ModelConfig())
     c, dtype = m.config, torch.float64
     g = torch.Generator().manual_seed(3)
@@ -131,7 +133,7 @@ def test_the_delta_rule_is_the_einsum_formulation(T):
     S0 = torch.randn(H, V, K, generator=g, dtype=dtype)
     captured = {}
     at = {1, T // 2 or 1, T}
-    got, got_S = m._delta_rule(S0, q, k, v, decay, beta, at, lambda rel, S: captured.__setitem__(rel, S))
+    got, got_S = getattr(m, form)(S0, q, k, v, decay, beta, at, lambda rel, S: captured.__setitem__(rel, S))
     want, want_S = _delta_rule_by_einsum(S0, q, k, v, decay, beta)
     assert torch.allclose(got, want, rtol=0, atol=1e-12) and torch.allclose(got_S, want_S, rtol=0, atol=1e-12)
     assert sorted(captured) == sorted(at)

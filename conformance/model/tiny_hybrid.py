@@ -1,7 +1,9 @@
 """A tiny hybrid model: recurrent layers (short causal conv + gated delta rule)
 interleaved with rotary attention layers.
 
-Two independent paths share only the weights:
+Two paths share the weights and the pure per-chunk pieces (projections, the
+causal conv over a window, attention under a mask, the delta rule), and differ
+in where their inputs come from:
 
 - :meth:`TinyHybrid.reference` runs a whole sequence from scratch (a zero-padded
   causal conv, a full causal attention matrix, a zero initial state): the oracle.
@@ -78,18 +80,19 @@ class TinyHybrid:
                       "w_out": w(c.rec_heads * c.rec_value_dim, d, std=(c.rec_heads * c.rec_value_dim) ** -0.5)}
             # One matmul for the layer's input projections, not three (rows of
             # these tiny matrices cost Python's per-operation overhead, not flops).
+            # (The weights are drawn one by one above, so the draws stay those of
+            # the separate projections.)
             if kind == "A":
-                p["wqkv"] = torch.cat([p["wq"], p["wk"], p["wv"]], dim=1)
+                p["wqkv"] = torch.cat([p.pop("wq"), p.pop("wk"), p.pop("wv")], dim=1)
             else:
-                p["w_rec"] = torch.cat([p["w_in"], p["w_decay"], p["w_beta"]], dim=1)
+                p["w_rec"] = torch.cat([p.pop("w_in"), p.pop("w_decay"), p.pop("w_beta")], dim=1)
             self.layers.append(p)
         self.final_norm = 1.0 + w(d, std=0.1)
         self.lm_head = w(d, c.vocab_size, std=c.lm_head_scale * d**-0.5)
         half = c.head_dim // 2
         self._inv_freq = (1.0 / (c.rope_base ** (torch.arange(half, dtype=torch.float64) / half))).to(
             dtype=dtype, device=self.device)
-        self._rot_len = 0
-        self._cos = self._sin = self._inv_freq.new_zeros(0, 1, 1, half)
+        self._cos = self._sin = self._inv_freq.new_zeros(0, 1, 1, half)  # rotary table, grown on demand
 
     # -- a fresh recurrent state (what a "fresh" StateInit starts from) ---------------
     def zero_state(self) -> RecState:
@@ -99,24 +102,40 @@ class TinyHybrid:
             ssm=torch.zeros(c.rec_heads, c.rec_value_dim, c.rec_key_dim, dtype=self.dtype, device=self.device))
 
     # -- pieces shared by both paths (pure functions of their inputs) -----------------
-    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the rotary angles at ``positions`` [T, 1, 1, half],
+    def _rotation(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary angles at positions [start, end), [T, 1, 1, half],
         from a table computed once per length (every step asks for them)."""
-        n = int(positions[-1]) + 1
-        if n > self._rot_len:
-            self._rot_len = max(n, 2 * self._rot_len)
-            ang = torch.arange(self._rot_len, device=self.device).to(self.dtype)[:, None] * self._inv_freq[None, :]
+        if end > self._cos.shape[0]:
+            n = max(end, 2 * self._cos.shape[0])
+            ang = torch.arange(n, device=self.device).to(self.dtype)[:, None] * self._inv_freq[None, :]
             self._cos, self._sin = ang.cos()[:, None, None, :], ang.sin()[:, None, None, :]
-        return self._cos[positions], self._sin[positions]
+        return self._cos[start:end], self._sin[start:end]
 
-    def _qkv(self, p: dict, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, p: dict, x: torch.Tensor, start: int):
         c = self.config
         qkv = (x @ p["wqkv"]).view(x.shape[0], 3, c.attn_heads, c.head_dim)
-        cos, sin = self._rotation(positions)
+        cos, sin = self._rotation(start, start + x.shape[0])
         half = c.head_dim // 2
         x1, x2 = qkv[:, :2, :, :half], qkv[:, :2, :, half:]  # q and k rotated together
         qk = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
         return qk[:, 0], qk[:, 1], qkv[:, 2]
+
+    def _attend(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int) -> torch.Tensor:
+        """Attention of queries at positions [start, start + T) over keys [0, len(K)):
+        query i sees keys [0, start + i].  Returns [T, heads * head_dim]."""
+        t = q.shape[0]
+        sees = torch.arange(K.shape[0], device=self.device)[None, :] <= torch.arange(
+            start, start + t, device=self.device)[:, None]
+        scores = torch.einsum("qhd,khd->hqk", q, K) / self.config.head_dim**0.5
+        scores = scores.masked_fill(~sees, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), V).reshape(t, -1)
+
+    def _conv(self, p: dict, window: torch.Tensor) -> torch.Tensor:
+        """The depthwise causal conv over ``window`` (the conv_width - 1 inputs
+        before the chunk, then the chunk's): [T, ch].  Shifted products, what
+        F.conv1d computes here bit for bit, at a sixth of its cost on these sizes."""
+        w_, t = self.config.conv_width, window.shape[0] - self.config.conv_width + 1
+        return cast(torch.Tensor, sum(window[j: j + t] * p["conv"][j] for j in range(w_)))
 
     def _projections(self, p: dict, x: torch.Tensor):
         """The recurrent layer's conv input [T, ch], decay and beta [T, H]."""
@@ -140,8 +159,12 @@ class TinyHybrid:
         not seven a token: Python's per-operation cost on these tiny tensors
         was most of the oracle's time).  Both agree with each other to ~1e-15
         (tests/test_model.py), far inside the float64 tolerance of 1e-9."""
-        if q.shape[0] >= CHUNK_FORM_FROM:
-            return self._delta_rule_chunk(S, q, k, v, decay, beta, capture_rel, on_capture)
+        form = self._delta_rule_chunk if q.shape[0] >= CHUNK_FORM_FROM else self._delta_rule_loop
+        return form(S, q, k, v, decay, beta, capture_rel, on_capture)
+
+    @staticmethod
+    def _delta_rule_loop(S: torch.Tensor, q, k, v, decay, beta, capture_rel: set[int], on_capture):
+        """The recurrence token by token (about seven tensor operations a token)."""
         outs = []
         d, b = decay[:, :, None, None], beta[:, :, None, None]  # [T, H, 1, 1]
         k_col, k_row = k[:, :, :, None], k[:, :, None, :]  # [T, H, K, 1], [T, H, 1, K]
@@ -171,6 +194,8 @@ class TinyHybrid:
         gamma = g.exp()[:, :, None]  # [H, T, 1]
         bh = beta.transpose(0, 1)[:, :, None]  # [H, T, 1]
         S0t = S0.transpose(-1, -2)  # [H, K, V]
+        # The unit lower-triangular matrix written out whole: the solver is told
+        # so, but handed the raw product it rounds differently (by ~1e-15).
         system = (bh * (kh @ kh.transpose(-1, -2)) * ratio).tril(-1) + torch.eye(T, dtype=q.dtype, device=q.device)
         W = torch.linalg.solve_triangular(system, bh * (vh - gamma * (kh @ S0t)), upper=False, unitriangular=True)
         out = gamma * (qh @ S0t) + ((qh @ kh.transpose(-1, -2)) * ratio) @ W  # [H, T, V]
@@ -192,24 +217,16 @@ class TinyHybrid:
         c = self.config
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         n = ids.shape[0]
-        positions = torch.arange(n, device=self.device)
         h = self.embed[ids]
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         for kind, p in zip(c.layer_kinds, self.layers):
             x = _rms_norm(h, p["norm"])
             if kind == "A":
-                q, k, v = self._qkv(p, x, positions)
-                scores = torch.einsum("qhd,khd->hqk", q, k) / c.head_dim**0.5
-                scores = scores.masked_fill(~causal, float("-inf"))
-                o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, -1)
-                h = h + o @ p["wo"]
+                q, k, v = self._qkv(p, x, 0)
+                h = h + self._attend(q, k, v, 0) @ p["wo"]
             else:
                 u, decay, beta = self._projections(p, x)  # [n, ch], [n, H], [n, H]
-                # Depthwise causal conv over zero left padding, as shifted
-                # products (what F.conv1d computes here, bit for bit, at a
-                # sixth of its cost on these sizes).
-                padded = torch.cat([u.new_zeros(c.conv_width - 1, u.shape[1]), u])
-                y = cast(torch.Tensor, sum(padded[j: j + n] * p["conv"][j] for j in range(c.conv_width)))
+                # The conv over zero left padding (a fresh state's conv part).
+                y = self._conv(p, torch.cat([u.new_zeros(c.conv_width - 1, u.shape[1]), u]))
                 q, k, v = self._split_conv_out(y)
                 S0 = torch.zeros(c.rec_heads, c.rec_value_dim, c.rec_key_dim, dtype=self.dtype, device=self.device)
                 o, _ = self._delta_rule(S0, q, k, v, decay, beta, set(), None)
@@ -231,7 +248,6 @@ class TinyHybrid:
         c = self.config
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         t = ids.shape[0]
-        positions = torch.arange(start, start + t, device=self.device)
         capture_rel = {pos - start for pos in capture}
         captured: dict[int, list[RecState]] = {pos: [] for pos in capture}
         new_kv, new_states = [], []
@@ -240,15 +256,9 @@ class TinyHybrid:
         for kind, p in zip(c.layer_kinds, self.layers):
             x = _rms_norm(h, p["norm"])
             if kind == "A":
-                q, k, v = self._qkv(p, x, positions)
+                q, k, v = self._qkv(p, x, start)
                 pk, pv = past_kv[ai]
-                K, V = torch.cat([pk, k]), torch.cat([pv, v])
-                # Query i (absolute start + i) sees keys [0, start + i].
-                sees = torch.arange(K.shape[0], device=self.device)[None, :] <= positions[:, None]
-                scores = torch.einsum("qhd,khd->hqk", q, K) / c.head_dim**0.5
-                scores = scores.masked_fill(~sees, float("-inf"))
-                o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), V).reshape(t, -1)
-                h = h + o @ p["wo"]
+                h = h + self._attend(q, torch.cat([pk, k]), torch.cat([pv, v]), start) @ p["wo"]
                 new_kv.append((k, v))
                 ai += 1
             else:
@@ -256,8 +266,7 @@ class TinyHybrid:
                 u, decay, beta = self._projections(p, x)
                 window = torch.cat([st.conv, u])  # [W-1+t, ch]
                 w_ = c.conv_width
-                y = cast(torch.Tensor, sum(window[j: j + t] * p["conv"][j] for j in range(w_)))
-                q, k, v = self._split_conv_out(y)
+                q, k, v = self._split_conv_out(self._conv(p, window))
 
                 def on_capture(rel: int, S: torch.Tensor, window=window, w_=w_) -> None:
                     captured[start + rel].append(RecState(conv=window[rel: rel + w_ - 1].clone(), ssm=S.clone()))

@@ -5,7 +5,7 @@ coverage and notes, and the session collects them; the session's own facts
 
 from conformance.adapters.reference import ReferenceCache
 from conformance.contract import ImplConfig
-from conformance.harness.checker import Checker, Submitted
+from conformance.harness.checker import Checker, Settled, Submitted
 from conformance.harness.ops import Drain, Submit
 from conformance.harness.session import make_session
 
@@ -38,3 +38,29 @@ def test_evictions_are_a_fact_of_the_session_not_of_a_checker(model, oracle):
     s = make_session(ReferenceCache, CFG, model, oracle, [])  # no checker counts anything
     traffic(s)
     assert s.coverage == {} and s.evicted > 0 and s.observation.evicted == s.evicted
+
+
+def test_a_set_shows_each_phase_only_to_the_checkers_that_judge_it():
+    from conformance.harness.checker import BaseChecker, CheckerSet
+    from conformance.harness.disagg.checker import DisaggChecker
+
+    class Inherits(CountsSubmissions):  # judges what its parent judges
+        name = "inherits"
+
+    assert CountsSubmissions.judges("submitted") and Inherits.judges("submitted")
+    assert not CountsSubmissions.judges("scheduled") and not Checker.judges("submitted")
+    assert not DisaggChecker.judges("transfer") and not BaseChecker.judges("attached")
+    shown: list[str] = []
+
+    class Records(Checker):
+        name = "records"
+
+        def settled(self, obs, ev):
+            shown.append("settled")
+
+    checkers = CheckerSet([CountsSubmissions()])
+    checkers.attach(obs=None)
+    checkers.notify(Settled(view=None, idle=True))  # routes "settled": to no checker
+    checkers.add(Records())  # added after the set routed the phase: routed again
+    checkers.notify(Settled(view=None, idle=True))
+    assert shown == ["settled"]

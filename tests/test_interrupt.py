@@ -21,7 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # seconds) with every later check made slow, so that the signal surely lands
 # while a check is running.
 SCRIPT = """
-import inspect, sys, time
+import faulthandler, inspect, signal, sys, time
+# If the run ever outlives its signal, the test asks for every thread's stack (SIGUSR1)
+# and shows it with the SIGINT disposition the run started with (a SIG_IGN inherited
+# from a background shell would make the run ignore Ctrl-C, as Python does).
+faulthandler.register(signal.SIGUSR1)
+print("SIGINT at start:", signal.getsignal(signal.SIGINT), file=sys.stderr, flush=True)
 import conformance.suite.run
 _run_check = conformance.suite.run.run_check
 _signature = inspect.signature(_run_check)
@@ -51,7 +56,14 @@ def test_interrupted_run_keeps_valid_results_and_repros(tmp_path, sig):
             time.sleep(0.2)
         assert proc.poll() is None, "the run finished before it could be interrupted: " + proc.stderr.read()
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the run did not stop within 120 s of {sig.name}; its stderr and stacks:\n{err}")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -137,6 +137,8 @@ class BaseChecker:
     :class:`~conformance.harness.disagg.checker.DisaggChecker`."""
 
     name = "checker"
+    #: The phases this class declares are no-ops (a base class's): a set skips them.
+    _phases_are_no_ops = True
 
     def __init__(self) -> None:
         self.coverage: dict[str, int] = {}
@@ -147,6 +149,14 @@ class BaseChecker:
 
     def attached(self, obs: Any) -> None: ...
 
+    @classmethod
+    def judges(cls, phase: str) -> bool:
+        """Whether this class overrides ``phase`` (a base class's no-op does not)."""
+        for klass in cls.__mro__:
+            if phase in vars(klass):
+                return not vars(klass).get("_phases_are_no_ops", False)
+        return False
+
 
 class Checker(BaseChecker):
     """Base class of a single-worker session's checkers: every phase is a
@@ -154,6 +164,8 @@ class Checker(BaseChecker):
 
     What it counts goes to ``self.coverage`` (:meth:`count`), what it could
     not check to ``self.notes``: its own, read by the session."""
+
+    _phases_are_no_ops = True
 
     def attached(self, obs: Observation) -> None: ...
 
@@ -181,6 +193,9 @@ class CheckerSet:
     checkers: list[Any] = field(default_factory=list)  # BaseChecker subclasses of one family
     obs: Any = None  # the observation they are shown (set by attach)
     phases: Mapping[type, str] = field(default_factory=lambda: PHASE_OF)
+    # per phase, the checkers that judge it, in order (most checkers judge two or
+    # three of the eight phases, and a session shows thousands of moments)
+    _routes: dict[str, list[Any]] = field(default_factory=dict, repr=False)
 
     def attach(self, obs: Any, checkers: list[Any] | None = None) -> None:
         """Show the session to ``checkers`` (all of them by default; a checker
@@ -191,6 +206,7 @@ class CheckerSet:
 
     def add(self, checker: BaseChecker) -> None:
         self.checkers.append(checker)
+        self._routes.clear()
         if self.obs is not None:
             self.attach(self.obs, [checker])
 
@@ -199,7 +215,11 @@ class CheckerSet:
 
     def notify(self, event: object) -> None:
         phase = self.phases[type(event)]
-        for checker in self.checkers:
+        route = self._routes.get(phase)
+        if route is None:
+            route = self._routes[phase] = [c for c in self.checkers
+                                           if not hasattr(type(c), "judges") or type(c).judges(phase)]
+        for checker in route:
             self._call(checker, phase, getattr(checker, phase), self.obs, event)
 
     @staticmethod

@@ -79,15 +79,22 @@ class Memory:
         end = start + new_kv[0][0].shape[0]
         if len(block_table) < -(-end // B):
             raise ContractError(f"block table has {len(block_table)} blocks, {-(-end // B)} needed for {end} tokens")
-        for pos in range(start, end):
+        for i in range(start // B, -(-end // B)):
+            self.check_block(block_table[i])
+        if end == start:
+            return
+        # (layers, positions, K|V, heads, dim), written one block's run at a time
+        kv = torch.stack([torch.stack((k, v), dim=1) for k, v in new_kv])
+        pos = start
+        while pos < end:
             b, off = block_table[pos // B], pos % B
-            self.check_block(b)
-            for layer, (k, v) in enumerate(new_kv):
-                self.kv[layer, b, off, 0] = k[pos - start]
-                self.kv[layer, b, off, 1] = v[pos - start]
-            self.kv_prov[b][off] = tokens[: pos + 1]
+            n = min(B - off, end - pos)
+            self.kv[:, b, off:off + n] = kv[:, pos - start:pos - start + n]
+            for p in range(pos, pos + n):
+                self.kv_prov[b][p % B] = tokens[: p + 1]
             if off == 0:  # a block computed from its start holds no loaded bytes
                 self.kv_origin[b] = None
+            pos += n
 
     def mark_kv(self, block_table: tuple[int, ...], start: int, end: int, tokens: Prefix) -> None:
         """Provenance of a write without the bytes (the pool probe measures

@@ -18,7 +18,6 @@ On a CPU in float64 the two agree to ~1e-12.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -124,30 +123,37 @@ class TinyHybrid:
         """Attention of queries at positions [start, start + T) over keys [0, len(K)):
         query i sees keys [0, start + i].  Returns [T, heads * head_dim]."""
         t = q.shape[0]
-        sees = torch.arange(K.shape[0], device=self.device)[None, :] <= torch.arange(
-            start, start + t, device=self.device)[:, None]
         scores = torch.einsum("qhd,khd->hqk", q, K) / self.config.head_dim**0.5
-        scores = scores.masked_fill(~sees, float("-inf"))
+        if t > 1 or K.shape[0] > start + 1:  # (one query at the end sees every key: no mask)
+            sees = torch.arange(K.shape[0], device=self.device)[None, :] <= torch.arange(
+                start, start + t, device=self.device)[:, None]
+            scores = scores.masked_fill(~sees, float("-inf"))
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), V).reshape(t, -1)
 
     def _conv(self, p: dict, window: torch.Tensor) -> torch.Tensor:
         """The depthwise causal conv over ``window`` (the conv_width - 1 inputs
         before the chunk, then the chunk's): [T, ch].  Shifted products, what
         F.conv1d computes here bit for bit, at a sixth of its cost on these sizes."""
-        w_, t = self.config.conv_width, window.shape[0] - self.config.conv_width + 1
-        return cast(torch.Tensor, sum(window[j: j + t] * p["conv"][j] for j in range(w_)))
+        rows = p["conv"].unbind(0)  # one call for the conv_width weight rows
+        t = window.shape[0] - len(rows) + 1
+        y = window[:t] * rows[0]
+        for j in range(1, len(rows)):
+            y = y + window[j: j + t] * rows[j]
+        return y
 
     def _projections(self, p: dict, x: torch.Tensor):
         """The recurrent layer's conv input [T, ch], decay and beta [T, H]."""
         c = self.config
-        u, dec, bet = (x @ p["w_rec"]).split([c.conv_channels, c.rec_heads, c.rec_heads], dim=-1)
+        u, dec, bet = (x @ p["w_rec"]).split_with_sizes([c.conv_channels, c.rec_heads, c.rec_heads], dim=-1)
         return u, torch.sigmoid(dec + p["b_decay"]), torch.sigmoid(bet)  # decay, beta in (0, 1)
 
     def _split_conv_out(self, y: torch.Tensor):
         c = self.config
         t = y.shape[0]
         y = F.silu(y).view(t, c.rec_heads, 2 * c.rec_key_dim + c.rec_value_dim)
-        qk = F.normalize(y[..., : 2 * c.rec_key_dim].unflatten(-1, (2, c.rec_key_dim)), dim=-1)
+        qk = torch.unflatten(y[..., : 2 * c.rec_key_dim], -1, (2, c.rec_key_dim))
+        # F.normalize's arithmetic without its Python wrappers (Tensor.norm's)
+        qk = qk / torch.linalg.vector_norm(qk, 2, -1, keepdim=True).clamp_min(1e-12)
         return qk[..., 0, :], qk[..., 1, :], y[..., 2 * c.rec_key_dim:]
 
     def _delta_rule(self, S: torch.Tensor, q, k, v, decay, beta, capture_rel: set[int], on_capture):
@@ -166,17 +172,15 @@ class TinyHybrid:
     def _delta_rule_loop(S: torch.Tensor, q, k, v, decay, beta, capture_rel: set[int], on_capture):
         """The recurrence token by token (about seven tensor operations a token)."""
         outs = []
-        d, b = decay[:, :, None, None], beta[:, :, None, None]  # [T, H, 1, 1]
-        k_col, k_row = k[:, :, :, None], k[:, :, None, :]  # [T, H, K, 1], [T, H, 1, K]
-        q_col, v_col = q[:, :, :, None], v[:, :, :, None]  # [T, H, K, 1], [T, H, V, 1]
-        for t in range(q.shape[0]):
-            S = S * d[t]
-            v_old = S @ k_col[t]  # [H, V, 1]
-            S = S + b[t] * ((v_col[t] - v_old) * k_row[t])
-            outs.append(S @ q_col[t])
+        for t in range(q.shape[0]):  # (indexed per token: most calls are one decode token)
+            S = S * decay[t, :, None, None]  # [H, 1, 1]
+            k_t = k[t]
+            v_old = S @ k_t[:, :, None]  # [H, V, 1]
+            S = S + beta[t, :, None, None] * ((v[t, :, :, None] - v_old) * k_t[:, None, :])
+            outs.append((S @ q[t, :, :, None])[:, :, 0])
             if t + 1 in capture_rel:
                 on_capture(t + 1, S)
-        return torch.stack(outs)[..., 0], S
+        return (outs[0][None] if len(outs) == 1 else torch.stack(outs)), S
 
     @staticmethod
     def _delta_rule_chunk(S0: torch.Tensor, q, k, v, decay, beta, capture_rel: set[int], on_capture):

@@ -102,6 +102,8 @@ class DisaggChecker(BaseChecker):
     """Base class of a disaggregated session's checkers: every phase is a
     no-op; a checker overrides the ones it judges."""
 
+    _phases_are_no_ops = True
+
     def attached(self, obs: DisaggObservation) -> None: ...
 
     def submitted(self, obs: DisaggObservation, ev: Submitted) -> None: ...

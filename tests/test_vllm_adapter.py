@@ -133,6 +133,21 @@ def test_preemption_under_pressure(model, oracle):
     assert s.impl.stats["resumed"] > 0, "no preemption happened: the pool is too large for this test"
 
 
+def test_a_preempted_request_resumes_from_another_requests_longer_hit(model, oracle):
+    """vLLM preempts r6 after it computed 8 tokens and resumes it from r5's
+    cached prefix of 12 (r5's blocks and its snapshot at 12): a start past the
+    request's own tokens, from a state it copies, which memory and the oracle
+    judge (the contract once refused it: kv-scarce, seed 5, 2026-12-03)."""
+    impl = VllmCache(ImplConfig(block_size=4, num_kv_blocks=14, num_state_slots=24))  # kv-scarce's pools
+    s = session_of(impl, model, oracle)
+    head = (6, 44, 29, 36, 42, 13, 36)
+    apply_all(s, [Submit("r4", head + (11, 38, 36, 40, 8, 54, 9, 4, 10, 8), 2),
+                  Submit("r5", head + (60, 5, 0, 20, 52, 60, 5), 2),
+                  Submit("r6", head + (60, 5, 0, 20, 52, 60, 5, 0, 20, 52), 2),
+                  Step(1024), Step(3), Step(1024), Step(1024), Step(1024), Drain(64)])
+    assert s.impl.stats["resumed"] > 0 and not s.active()
+
+
 def test_abort_frees_everything(model, oracle):
     """Aborts mid-prefill and mid-decode; afterwards nothing is held (the
     session's idle invariant checks every refcount)."""

@@ -152,6 +152,25 @@ class Stepping:
         for done in self.runner.completed:
             self.history.completed(done, self.runner.transport.intact.pop(done.id, None))
 
+    def _readmitted(self, plan: StepPlan, rs, tokens: tuple[int, ...]) -> bool:
+        """A step past the request's computed tokens is a re-admission: vLLM
+        resumes a preempted request from a cache hit, which may be another
+        request's longer prefix.  Right only when the state it copies is, by
+        memory's provenance, the state at its start (a skip is not)."""
+        if rs.state_init.kind != "copy":
+            return False
+        src = rs.state_init.source
+        for a, b in plan.state_copies:  # the plan's copies run first
+            if b == src:
+                src = a
+        mem, want = self.runner.memory, tokens[: rs.start]
+        slots = range(mem.layout.num_state_slots)
+        if src not in slots or rs.state_slot not in slots:
+            return False
+        conv = mem.state_holds(src if "conv" in rs.state_init.parts else rs.state_slot)[0]
+        ssm = mem.state_holds(src if "ssm" in rs.state_init.parts else rs.state_slot)[1]
+        return conv == want and ssm == want
+
     def _validate(self, plan: StepPlan) -> None:
         seen: set[str] = set()
         for rs in plan.requests:
@@ -165,11 +184,7 @@ class Stepping:
                 if rs.start >= track.prompt_len:
                     raise ConformanceFailure("contract", f"{rs.request_id}: first step starts at {rs.start}, but "
                                                          f"the prompt has {track.prompt_len} tokens")
-            elif rs.start > track.computed and rs.state_init.kind == "resume":
-                # Past its own tokens only from a state it does not resume: a
-                # request re-admitted after a preemption (vLLM's recompute) starts
-                # from a cache hit, which may be another request's longer prefix;
-                # memory's provenance and the oracle judge what that step reads.
+            elif rs.start > track.computed and not self._readmitted(plan, rs, track.tokens):
                 raise ConformanceFailure("contract", f"{rs.request_id}: step starts at {rs.start}, but only "
                                                      f"{track.computed} tokens were computed")
             self.speculator.validate(rs, track)

@@ -155,11 +155,13 @@ class Stepping:
     def _readmitted(self, plan: StepPlan, rs, tokens: tuple[int, ...]) -> bool:
         """A step past the request's computed tokens is a re-admission: vLLM
         resumes a preempted request from a cache hit, which may be another
-        request's longer prefix.  Right only when the state it copies is, by
-        memory's provenance, the state at its start (a skip is not)."""
-        if rs.state_init.kind != "copy":
+        request's longer prefix.  Right only when the state the step starts
+        from (its slot for RESUME, the source for each part a copy takes) is,
+        by memory's provenance, the state at its start (a skip is not)."""
+        init = rs.state_init
+        if init.kind == "fresh":  # zeroes: the state at 0 only
             return False
-        src = rs.state_init.source
+        src = rs.state_slot if init.source is None else init.source
         for a, b in plan.state_copies:  # the plan's copies run first
             if b == src:
                 src = a
@@ -167,8 +169,8 @@ class Stepping:
         slots = range(mem.layout.num_state_slots)
         if src not in slots or rs.state_slot not in slots:
             return False
-        conv = mem.state_holds(src if "conv" in rs.state_init.parts else rs.state_slot)[0]
-        ssm = mem.state_holds(src if "ssm" in rs.state_init.parts else rs.state_slot)[1]
+        conv = mem.state_holds(src if "conv" in init.parts else rs.state_slot)[0]
+        ssm = mem.state_holds(src if "ssm" in init.parts else rs.state_slot)[1]
         return conv == want and ssm == want
 
     def _validate(self, plan: StepPlan) -> None:

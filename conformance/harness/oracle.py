@@ -48,6 +48,7 @@ class Oracle:
         depends on its tokens only, never on the implementation under test)."""
         return int(self.rows(tokens, len(tokens) - 1, len(tokens))[0].argmax())
 
+    @torch.inference_mode()  # (no autograd bookkeeping: see Runner.execute)
     def judge(self, tokens: Prefix, start: int, logits: torch.Tensor) -> Verdict:
         ref = self.rows(tokens, start, start + logits.shape[0])
         got = logits.to(ref.dtype)

@@ -55,6 +55,11 @@ class Runner:
         self.completed = self.transport.run(tuple(plan.transfers))
         return self.completed
 
+    # Under inference mode, as an engine's model runner is: no autograd
+    # bookkeeping on any operation (its per-operation cost is most of a
+    # decode step on these tiny tensors).  Everything that outlives the step
+    # is copied into memory or the host tier, or only read afterwards.
+    @torch.inference_mode()
     def execute(self, plan: StepPlan, tokens: dict[str, Prefix]) -> list[Executed]:
         mem = self.memory
         self.run_transfers(plan)

@@ -11,7 +11,14 @@ other hard-history counters a check reached are listed too.  Each (check, seed) 
 profile would run it (a check's seed is its index in the profile), and its
 counters are appended to ``--jsonl`` as it finishes; ``--resume`` keeps the
 (check, seed) pairs that file holds and runs the rest, so an interrupted sweep
-loses nothing and a finished one prints its table again without running.  The hard histories:
+loses nothing and a finished one prints its table again without running.
+
+A run is triaged as ``run`` triages it, against its implementation's
+expectations file: a failed variant's cell is marked ``k`` when the failure
+is a known defect or an expected one (its examples cut short by it, the
+counters stop there) and ``N`` when it is NEW (a history not reached at that
+seed reads NEW too); the exit status is 1 for a NEW failure or a required
+counter at 0 outside a known failure.  The hard histories:
 :mod:`conformance.judge.hard_coverage` and :mod:`conformance.judge.memory_coverage`
 (docs/hard-histories.md)."""
 
@@ -26,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conformance.judge.hard_coverage import HARD_COUNTERS, TRANSFER_COUNTERS  # noqa: E402
 from conformance.judge.memory_coverage import MEMORY_COUNTERS  # noqa: E402
+from conformance.results.triage import judge_file  # noqa: E402
 from conformance.suite.checks import CHECKS  # noqa: E402
 from conformance.suite.run import RunOptions, run  # noqa: E402
 
@@ -55,6 +63,7 @@ def main() -> int:
     required = {s.id: [c for c in s.required if c in HARD] for s in CHECKS}
     rows: dict[tuple[str, str], dict[int, int]] = {}
     status: dict[tuple[str, int], str] = {}
+    triaged: dict[tuple[str, int], str] = {}  # a failure's triage: "known D" | "expected" | "NEW"
     done: set[tuple[str, int]] = set()
     if args.resume and args.jsonl and Path(args.jsonl).exists():
         for text in Path(args.jsonl).read_text().splitlines():
@@ -63,6 +72,7 @@ def main() -> int:
                 continue
             done.add((line["check"].partition("[")[0], line["seed"]))
             status[(line["check"], line["seed"])] = line["status"]
+            triaged[(line["check"], line["seed"])] = line.get("triage", "")
             for k, n in line["coverage"].items():
                 rows.setdefault((line["check"], k), {})[line["seed"]] = n
     for seed in parse_seeds(args.seeds):
@@ -71,27 +81,35 @@ def main() -> int:
                 continue
             result = run(RunOptions(impl=args.impl, checks=(check,), seed=seed, write_reports=False,
                                     matrix=not args.no_matrix))
+            by_check = judge_file(result.to_dict(), result.expectations["path"])[0].by_check \
+                if result.expectations else {}
             for c in result.checks:
                 base = c.id.partition("[")[0]
                 status[(c.id, seed)] = c.status
+                triaged[(c.id, seed)] = by_check.get(c.id, "NEW" if c.status in ("failed", "error") else "")
                 # the counters its check requires, and any other hard-history counter it reached
                 keys = required.get(base, []) + sorted(k for k in HARD - set(required.get(base, []))
                                                        if c.coverage.get(k, 0) > 0)
-                line = {"check": c.id, "seed": seed, "status": c.status,
+                line = {"check": c.id, "seed": seed, "status": c.status, "triage": triaged[(c.id, seed)],
                         "coverage": {k: c.coverage.get(k, 0) for k in keys}}
                 for k, n in line["coverage"].items():
                     rows.setdefault((c.id, k), {})[seed] = n
                 if args.jsonl:
                     with open(args.jsonl, "a") as fh:
                         fh.write(json.dumps(line) + "\n")
-                print(f"  {c.id} seed {seed}: {c.status} {line['coverage']}", file=sys.stderr, flush=True)
+                said = " ".join(x for x in (c.status, line["triage"], str(line["coverage"])) if x)
+                print(f"  {c.id} seed {seed}: {said}", file=sys.stderr, flush=True)
     seeds = parse_seeds(args.seeds)
     header = ["check", "counter", *map(str, seeds), "min"]
     def name(check: str, counter: str) -> str:  # * marks a counter the check requires
         return counter + ("*" if counter in required.get(check.partition("[")[0], []) else "")
 
-    table = [[check, name(check, counter), *(str(per.get(s, 0)) for s in seeds), str(min(per.get(s, 0) for s in seeds))]
-             for (check, counter), per in rows.items()]
+    def cell(check: str, seed: int, n: int) -> str:  # k: failed on a known or expected failure; N: NEW
+        why = triaged.get((check, seed), "") if status.get((check, seed)) in ("failed", "error") else ""
+        return f"{n}{'N' if why == 'NEW' else 'k' if why else ''}"
+
+    table = [[check, name(check, counter), *(cell(check, s, per.get(s, 0)) for s in seeds),
+              str(min(per.get(s, 0) for s in seeds))] for (check, counter), per in rows.items()]
     if args.markdown:
         print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
         print("\n".join("| " + " | ".join(r) + " |" for r in table))
@@ -99,8 +117,11 @@ def main() -> int:
         widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
         for r in [header, *table]:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    return 0 if all(min(per.get(s, 0) for s in seeds) > 0 for (check, counter), per in rows.items()
-                    if counter in required.get(check.partition("[")[0], [])) else 1
+    new = [key for key, why in triaged.items() if why == "NEW"]
+    unreached = [(check, counter, s) for (check, counter), per in rows.items() for s in seeds
+                 if counter in required.get(check.partition("[")[0], []) and per.get(s, 0) == 0
+                 and not (triaged.get((check, s)) or "").startswith(("known", "expected"))]
+    return 1 if new or unreached else 0
 
 
 if __name__ == "__main__":

@@ -106,3 +106,37 @@ def test_wrong_logits_are_explained(model, oracle):
         s.apply(Drain(1024))
     assert info.value.kind == "logits"
     assert "state slot" in str(info.value) and "wanted" in str(info.value)
+
+
+def test_a_re_admission_is_judged_on_the_state_it_starts_from(model, oracle):
+    """A later step may start past the computed tokens only from a state that
+    memory shows is the state at its start: the running slot for RESUME (a
+    correct cache whose slot already holds it, as vLLM's preempt-and-resume
+    may), the source of a copy, followed through the plan's own state copies;
+    never FRESH, never a slot holding a shorter or another sequence's state."""
+    from conformance.contract import FRESH, RESUME, copy_from
+
+    s = session(model, oracle)
+    mem = s.runner.memory
+    tokens = BASE[:16]
+    mem.mark_state(3, tokens[:12])  # the state at 12 of this sequence
+    mem.mark_state(4, tokens[:8])  # a shorter one
+    mem.mark_state(5, (7,) * 12)  # another sequence's
+    table = (0, 1, 2, 6)
+
+    def readmitted(slot, init, copies=()):
+        rs = RequestStep("r", 12, 16, table, slot, init)
+        return s._readmitted(StepPlan((rs,), state_copies=copies), rs, tokens)
+
+    assert readmitted(3, RESUME)  # the running slot holds the state at 12
+    assert readmitted(7, copy_from(3))  # a copy of a slot that holds it
+    assert readmitted(7, RESUME, copies=((3, 7),))  # the plan's copy lands it first
+    assert readmitted(7, copy_from(8), copies=((3, 8),))  # a copy of a copy
+    assert not readmitted(3, FRESH)  # zeroes are the state at 0 only
+    assert not readmitted(4, RESUME)  # a skip: the slot is at 8
+    assert not readmitted(7, copy_from(5))  # another sequence's state of the same length
+    assert not readmitted(7, RESUME)  # never written
+    mem.mark_state(9, tokens[:12])
+    mem.copy_state(4, 9, conv=True, ssm=False)  # conv at 8, matrix at 12: not the state at 12
+    assert not readmitted(9, RESUME)
+    assert not readmitted(10, copy_from(3, ("ssm",)))  # the matrix copied; slot 10's conv never written

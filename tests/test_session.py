@@ -132,6 +132,9 @@ def test_a_re_admission_is_judged_on_the_state_it_starts_from(model, oracle):
     assert readmitted(7, copy_from(3))  # a copy of a slot that holds it
     assert readmitted(7, RESUME, copies=((3, 7),))  # the plan's copy lands it first
     assert readmitted(7, copy_from(8), copies=((3, 8),))  # a copy of a copy
+    assert readmitted(7, RESUME, copies=((3, 8), (8, 7)))  # a chain of the plan's copies, in their order
+    assert not readmitted(7, RESUME, copies=((3, 7), (5, 7)))  # the second copy onto 7 is what it holds
+    assert readmitted(11, copy_from(3, ("ssm",)), copies=((3, 11),))  # the conv kept is the one copied first
     assert not readmitted(3, FRESH)  # zeroes are the state at 0 only
     assert not readmitted(4, RESUME)  # a skip: the slot is at 8
     assert not readmitted(7, copy_from(5))  # another sequence's state of the same length

@@ -23,6 +23,7 @@ from conformance.harness.conflicts import plan_conflicts
 if TYPE_CHECKING:
     from conformance.harness.checker import CheckerSet
     from conformance.harness.history import History
+    from conformance.harness.memory import Prefix
     from conformance.harness.observation import Track
     from conformance.harness.oracle import Oracle
     from conformance.harness.runner import Runner
@@ -161,16 +162,25 @@ class Stepping:
         init = rs.state_init
         if init.kind == "fresh":  # zeroes: the state at 0 only
             return False
-        src = rs.state_slot if init.source is None else init.source
-        for a, b in plan.state_copies:  # the plan's copies run first
-            if b == src:
-                src = a
-        mem, want = self.runner.memory, tokens[: rs.start]
+        mem = self.runner.memory
         slots = range(mem.layout.num_state_slots)
+        # What each slot holds once the plan's copies ran, in their order, as the runner runs
+        # them (a chain, or a second copy onto the same slot, is judged on its last write).
+        held: dict[int, tuple[Prefix | None, Prefix | None]] = {}
+
+        def holds(slot: int) -> tuple[Prefix | None, Prefix | None]:
+            return held[slot] if slot in held else mem.state_holds(slot)
+
+        for a, b in plan.state_copies:
+            if a not in slots or b not in slots:
+                return False
+            held[b] = holds(a)
+        src = rs.state_slot if init.source is None else init.source
         if src not in slots or rs.state_slot not in slots:
             return False
-        conv = mem.state_holds(src if "conv" in init.parts else rs.state_slot)[0]
-        ssm = mem.state_holds(src if "ssm" in init.parts else rs.state_slot)[1]
+        want = tokens[: rs.start]
+        conv = holds(src if "conv" in init.parts else rs.state_slot)[0]
+        ssm = holds(src if "ssm" in init.parts else rs.state_slot)[1]
         return conv == want and ssm == want
 
     def _validate(self, plan: StepPlan) -> None:

@@ -152,13 +152,13 @@ class HardHistories(MachineBase):
         if rest[0] % 3 == 0 and at % self.B and not tail:
             # or the cached sequence cut there: a prompt whose hit ends inside a block (never
             # for a tail: Hypothesis draws rest[0] = 0 often, and the tail's divergence went with it)
-            return tuple(seq[:at]), max_new
+            return seq[:at], max_new
         other = (seq[at] + 1 + rest[0] % (self.vocab - 1)) % self.vocab  # never the cached token
         # the tokens after the divergence give way where the prompt would not fit: a long
         # sequence's tail is where the divergence is drawn (with 8-token blocks a 57-token
         # divergence and its 7 more tokens would pass a 64-token limit)
         max_new = max(1, min(max_new, self.max_len - at - 1))
-        return tuple((seq[:at] + (other,) + tuple(rest[1:]))[: max(at + 1, self.max_len - max_new)]), max_new
+        return (seq[:at] + (other,) + rest[1:])[: max(at + 1, self.max_len - max_new)], max_new
 
     @configured_rule(precondition=lambda self: self.enabled("live-abort") and self.busy(),
                      which=lambda c: st.integers(0, 7), decode=lambda c: st.booleans(),

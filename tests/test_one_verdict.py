@@ -59,6 +59,8 @@ def test_the_verdict_value_and_its_precedence():
                              not_run=["snapshot-reuse"]))
     assert crashed.status == "new" and any("crashed" in why for why in crashed.incomplete)
     assert "INCOMPLETE" in crashed.headline()
+    elsewhere = judge_run(_doc([_c("mid-block-hits", "passed")], expectations={"path": "/nowhere/x-1.toml"}))
+    assert elsewhere.status == "passed" and "is not here" in elsewhere.note  # a file of another machine
 
 
 def test_results_json_junit_and_html_of_a_pending_run_read_incomplete(tmp_path):

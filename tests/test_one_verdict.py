@@ -362,3 +362,18 @@ def test_pytest_timeout_still_works_around_guarded_calls(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "2 failed" in out and "Timeout" in out, out
     assert time.monotonic() - start < 60
+
+
+def test_the_engine_level_is_a_kind_of_run():
+    """--impl vllm-engine is prepared by prepare_run and executed by the one execute(), not a second path."""
+    from conformance.errors import UsageError
+    from conformance.suite.options import RunOptions
+    from conformance.suite.prepare import prepare_run
+
+    run = prepare_run(RunOptions(impl="vllm-engine", write_reports=False))
+    assert run.engine is not None and run.checks == () and run.planned_ids == list(run.engine.planned)
+    assert "engine-mid-block:qwen3next-tiny-sharp" in run.planned_ids
+    for bad, flag in ((dict(workers=2), "--workers"), (dict(examples=3), "--examples"),
+                      (dict(profile="standard"), "--profile"), (dict(checks=("mid-block-hits",)), "--check")):
+        with pytest.raises(UsageError, match=flag):
+            prepare_run(RunOptions(impl="vllm-engine", write_reports=False, **bad))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from conformance.adapters import resolve
+from conformance.cli.common import path_arg
 from conformance.errors import UsageError
 from conformance.model import ModelConfig
 from conformance.results.files import strict_json
@@ -33,13 +34,13 @@ def add_parser(sub) -> None:
     p.add_argument("--spec-agree", type=int, default=None, metavar="A",
                    help="with --spec-tokens: how many of the K drafts agree with the reference (default K)")
     p.add_argument("--format", choices=("text", "json"), default="text")
-    p.add_argument("--plot", type=Path, default=None, help="write a PNG of hit rates and occupancies (matplotlib)")
-    p.add_argument("--report-dir", type=Path, default=None,
+    p.add_argument("--plot", type=path_arg, default=None, help="write a PNG of hit rates and occupancies (matplotlib)")
+    p.add_argument("--report-dir", type=path_arg, default=None,
                    help="also write economics-<workload>-<policy>.json and .png there (where HTML reports look)")
     cost = p.add_argument_group("cost model (design note, sections 1-2)")
     cost.add_argument("--state-bytes", type=float, default=None, help="bytes of one recurrent state")
     cost.add_argument("--kv-bytes-per-token", type=float, default=None, help="attention KV bytes per token")
-    cost.add_argument("--model-config", type=Path, default=None,
+    cost.add_argument("--model-config", type=path_arg, default=None,
                       help="a model TOML (fixtures/models/*.toml): state and KV sizes from its shapes")
     cost.add_argument("--dtype-bytes", type=int, default=2, help="bytes per element with --model-config (default 2)")
     cost.add_argument("--context", type=int, default=None, help="context length T (default 1,000,000)")

@@ -22,7 +22,7 @@ from conformance.suite.options import now as _now
 _REFUSED = (
     ("shard", None, "--shard", "its checks run in one process (a split of them is not implemented)"),
     ("workers", 1, "--workers", "its checks run in one process"),
-    ("faults", "", "--faults", "it injects no environment faults (its planted faults are the option fault=...)"),
+    ("faults", None, "--faults", "it injects no environment faults (its planted faults are the option fault=...)"),
     ("examples", None, "--examples", "its workloads are fixed per profile, not Hypothesis examples"),
     ("steps", None, "--steps", "its workloads are fixed per profile, not Hypothesis steps"),
     ("block_size", None, "--block-size", "the engine chooses its block size"),
@@ -65,8 +65,10 @@ def run_engine(args) -> int:
         check_report_dir(Path(args.report_dir))
     if args.expectations:
         from conformance.cli.common import load_expectations_for_cli
+        from conformance.suite.prepare import check_expectations_engine
 
-        load_expectations_for_cli(args.expectations)  # a bad file is a usage error now, before the engines start
+        exp = load_expectations_for_cli(args.expectations)  # a bad file is a usage error now, before the engines start
+        check_expectations_engine(exp.doc, exp.path, args.impl, args.impl)  # another engine's file too
     result = RunResult(implementation="vllm-engine", implementation_version="", seed=args.seed,
                        profile=args.profile, started=_now(), impl_spec=args.impl,
                        impl_config={"options": options.given})

@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from conformance.errors import CompareInputError
+from conformance.errors import CompareInputError, UsageError
 from conformance.results.compare import load_results
 from conformance.results.records import RunResult, result_from_dict
 from conformance.suite.checks import CATALOGUE
@@ -22,6 +22,8 @@ _ORDER = {spec.id: i for i, spec in enumerate(CATALOGUE)}
 def merge(out: Path, dirs: list[Path]) -> RunResult:
     from conformance.results.report import ReportDir
 
+    if any(Path(d).resolve() in (out.resolve(), out.resolve() / "results.json") for d in dirs):
+        raise CompareInputError(f"{out}: is one of the shards; merge into another directory")
     docs = [load_results(d) for d in dirs]
     if not docs:
         raise CompareInputError("nothing to merge")
@@ -33,7 +35,9 @@ def merge(out: Path, dirs: list[Path]) -> RunResult:
                                         f"not shards of one run")
     merged = result_from_dict(first)
     merged.checks, merged.faults = [], {}
-    out.mkdir(parents=True, exist_ok=True)
+    # Held, and what an earlier merge (or run) left there cleared, before anything is copied in (a lock
+    # left by a merge that raised below is taken over: its process is gone).
+    reports = ReportDir(out).open()
     (out / "repros").mkdir(exist_ok=True)
     seen = set()
     for d, src in zip(docs, dirs):
@@ -70,8 +74,8 @@ def merge(out: Path, dirs: list[Path]) -> RunResult:
             shutil.copyfile(png, out / png.name)
     merged.checks.sort(key=lambda c: _ORDER.get(c.id, len(_ORDER)))
     merged.metrics = {"merged_from": [str(p) for p in dirs]}
-    with ReportDir(out) as reports:
-        reports.write(merged)
+    reports.write(merged)
+    reports.close()
     return merged
 
 
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = merge(Path(argv[0]), [Path(a) for a in argv[1:]])
-    except CompareInputError as exc:
+    except UsageError as exc:  # a bad shard, or an OUT another run holds
         print(f"merge: error: {exc}", file=sys.stderr)
         return 2
     s = result.to_dict()["summary"]

@@ -40,6 +40,9 @@ def main(args) -> int:
     from conformance.suite.replay import replay, same_failure, witness
 
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only add synchronization
+    for flag, value in (("--impl", args.impl), ("--mutant", args.mutant)):
+        if value is not None and not value.strip():  # "" would silently mean "the file's"
+            raise UsageError(f"{flag} {value!r}: names nothing (leave the flag out for the file's)")
 
     try:
         repro = load(args.file)

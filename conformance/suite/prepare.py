@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from conformance.adapters import resolve
+from conformance.adapters import ENGINE_LEVEL, resolve
 from conformance.errors import UsageError
 from conformance.suite.checks import CATALOGUE, PROFILES, get_check
 from conformance.suite.config_matrix import expand
@@ -23,15 +23,24 @@ from conformance.suite.seeds import seed_index
 def prepare_run(opts: RunOptions) -> Run:
     """Resolve the implementation, the mutant, the faults, the checks and their
     variants, seeds and shard, and the report directory; raise UsageError for
-    anything wrong with them."""
+    anything wrong with them.  ``--impl vllm-engine`` makes an engine-level
+    Run (conformance.suite.engine_level)."""
+    _check_names(opts)
+    if isinstance(opts.impl, str) and opts.impl in ENGINE_LEVEL:
+        from conformance.suite.engine_level import plan_engine, prepare_engine
+
+        plan = plan_engine(opts)  # a flag it would ignore, a profile, option or check it does not have: now
+        if opts.report_dir is not None and opts.write_reports:
+            check_report_dir(opts.report_dir)
+        return prepare_engine(opts, plan)
     if opts.profile not in PROFILES:
         raise UsageError(f"--profile {opts.profile!r}: expected one of {', '.join(PROFILES)}")
     profile = PROFILES[opts.profile]
     _check_numbers(opts)
     if opts.report_dir is not None and opts.write_reports:
         check_report_dir(opts.report_dir)
-    _check_names(opts)
     impl, factory = _resolve_impl(opts.impl)
+    known_as = _named(impl, factory)  # the name an expectations file knows it by
     try:
         # a check named twice runs once (dict.fromkeys keeps the order asked)
         specs = [get_check(c) for c in dict.fromkeys(opts.checks)] if opts.checks else list(profile.checks)
@@ -59,14 +68,15 @@ def prepare_run(opts: RunOptions) -> Run:
     _check_impl_options(factory, specs, impl_options, pools, tier_option, spec_option)
     planned = plan_checks(specs, factory, impl_options, opts.matrix)
     # The engine version's (and build's) known defects: a bad entry is a usage error now, before any check runs.
-    from conformance.suite.known import check_fix_target, expectations_for
+    from conformance.suite.known import check_expectations_engine, check_fix_target, expectations_for
 
-    expectations = expectations_for(impl, str(getattr(factory, "version", "unknown")), opts.expectations,
+    expectations = expectations_for(known_as, str(getattr(factory, "version", "unknown")), opts.expectations,
                                     build=str(getattr(factory, "build", "") or ""))
     if opts.expectations is not None and expectations is not None:
-        check_expectations_engine(expectations.doc, expectations.path, impl, name,
+        check_expectations_engine(expectations.doc, expectations.path, known_as, name,
                                   str(getattr(factory, "build", "") or ""))
     check_fix_target(opts.mutant, expectations)
+    unsplit = tuple(spec.id for _, spec in planned)
     if opts.shard:
         planned = select_shard(planned, *opts.shard)
         if not planned:  # a green run of nothing would hide a miscounted CI matrix
@@ -94,7 +104,7 @@ def prepare_run(opts: RunOptions) -> Run:
                pools=pools,
                report_dir=report_dir, workers=opts.workers, shard=opts.shard, stop_at_failure=opts.stop_at_failure,
                matrix=opts.matrix, options=replace(opts, impl_options=dict(opts.impl_options)),
-               expectations=expectations)
+               expectations=expectations, unsplit=unsplit)
 
 
 def plan_checks(specs, factory, impl_options, matrix: bool = True) -> list:
@@ -129,6 +139,21 @@ def select_shard(planned: list, i: int, n: int) -> list:
 def impl_label(factory) -> str:
     """``module:Class`` for an implementation given as an object (replay needs it as ``--impl``)."""
     return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', factory)}"
+
+
+def _named(impl: str, factory) -> str:
+    """A named adapter's class given as an object (``machine_test(VllmCache)``,
+    the plugin's fixture) is that adapter for its expectations file: its
+    name, not ``module:Class``.  Only an adapter already imported can be it."""
+    import sys
+
+    from conformance.adapters import NAMED
+
+    for name, target in NAMED.items():
+        module, _, attr = target.partition(":")
+        if getattr(sys.modules.get(module), attr, None) is factory:
+            return name
+    return impl
 
 
 def _resolve_impl(impl) -> tuple[str, Callable[..., Any]]:
@@ -270,26 +295,6 @@ def _shown(path: Path, n: int = 100) -> str:
     """A path as a message shows it: a name of thousands of characters is cut (the line stays readable)."""
     text = str(path)
     return text if len(text) <= n else f"{text[:n // 2]}...{text[-n // 2:]} ({len(text)} characters)"
-
-
-def check_expectations_engine(doc: dict, path, impl: str, name: str, build: str = "") -> None:
-    """``--expectations FILE`` of another engine is a usage error naming both:
-    its known defects and expected failures would be matched against another
-    engine's failures (a vLLM defect's signature explaining a reference
-    failure: a false "as expected"), and its unlisted checks expected to
-    pass.  The file fits when it lists the run's ``--impl`` among its ``impl``
-    or names the implementation (its ``name``, or its build) as its
-    ``engine``.  Another *version* of the same engine is allowed: judging a
-    new release by the previous release's file is how an upgrade starts
-    (docs/upgrading-vllm.md), and FIXED says what the new release mended."""
-    impls = doc.get("impl")
-    impls = [impls] if isinstance(impls, str) else list(impls or [])
-    engine = str(doc.get("engine", ""))
-    if impl in impls or engine in {name, build} - {""}:
-        return
-    listed = f" (impl {', '.join(impls)})" if impls else ""
-    raise UsageError(f"--expectations {path}: the file is for the engine {engine!r}{listed}, this run is of "
-                     f"{name!r} (--impl {impl}); use {name}'s expectations file, or write one")
 
 
 def check_mutant_target(mutant, impl: str, factory, who: str | None = None, said: str | None = None) -> None:

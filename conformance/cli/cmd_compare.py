@@ -29,7 +29,7 @@ def main(args) -> int:
     if args.html is not None:  # before any work: a file that cannot be written is a usage error, not a traceback
         from conformance.suite.prepare import check_output_file
 
-        check_output_file(args.html, "--html")
+        check_output_file(args.html, "--html", inputs=(args.old, args.new, *args.more))
     try:
         old = None if args.old.suffix == ".toml" else load_results(args.old)  # in the order given
         new = load_results(args.new)

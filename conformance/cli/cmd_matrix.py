@@ -67,7 +67,7 @@ def main(args) -> int:
     if args.html is not None:  # before any work: a file that cannot be written is a usage error, not a traceback
         from conformance.suite.prepare import check_output_file
 
-        check_output_file(args.html, "--html")
+        check_output_file(args.html, "--html", inputs=(*args.results,))
     try:
         rows = [load_results(p) for p in args.results]
     except CompareInputError as exc:

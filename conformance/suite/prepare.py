@@ -262,14 +262,23 @@ def check_report_dir(path: Path | str, flag: str = "--report-dir", who: str | No
         os.unlink(probe)
 
 
-def check_output_file(path: Path | str, flag: str) -> None:
+def check_output_file(path: Path | str, flag: str, inputs: tuple = ()) -> None:
     """A file the command will write (``--html FILE``, ``--plot FILE``): a usage
     error now, before any work, when it names nothing, is a directory, has a
-    name the file system refuses, or lies where its directory cannot be made
-    or written (checked as a report directory is)."""
+    name the file system refuses, lies where its directory cannot be made or
+    written (checked as a report directory is), or is one of the command's
+    ``inputs`` (a results.json, or a report directory's: it would be overwritten)."""
     if not str(path).strip():
         raise UsageError(f"{flag} {str(path)!r}: names no file")
     path = Path(path)
+    for given in inputs:
+        given = Path(given)
+        try:
+            same = path.resolve() in (given.resolve(), given.resolve() / "results.json")
+        except OSError:
+            continue
+        if same:
+            raise UsageError(f"{flag} {_shown(path)}: is one of the inputs ({_shown(given)}); it would be overwritten")
     try:
         is_dir = path.is_dir()
     except OSError as exc:

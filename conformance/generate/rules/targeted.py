@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from conformance.generate import strategies
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
-from conformance.generate.rules.draws import tail_against_remote
+from conformance.generate.rules.draws import displace_boundary_state, tail_against_remote
 from conformance.harness.ops import Abort, Drain, Step, Submit
 from conformance.judge.memory_coverage import Held
 from conformance.judge.reuse import INDEXES
@@ -194,6 +194,7 @@ class Targeted(MachineBase):
         if not seqs:
             return
         last, cut = seqs[-1], k * self.B
+        displace_boundary_state(self, seqs[0], cut, seqs[-2])
         rng = random.Random(seed ^ 0x7E1)
         for _ in range(self.impl_config.num_kv_blocks if evict_kv else 0):
             index = INDEXES.get(self.session.last_view, self.B)

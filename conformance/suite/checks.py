@@ -158,7 +158,7 @@ def pool_warnings(run) -> list[str]:
     from conformance.generate.budget import warnings
 
     pools = run.pools
-    specs = [p.spec for p in run.checks if not p.spec.disagg]
+    specs = [p.spec for p in run.checks if isinstance(p.spec, CheckSpec) and not p.spec.disagg]
     configs = [s.impl_config(block_size=pools.block_size, num_kv_blocks=pools.num_kv_blocks,
                              num_state_slots=pools.num_state_slots) for s in specs]
 

@@ -1,5 +1,5 @@
 """The generator's budget: what it may ask of a cache's pools, and what a
-check's histories need of them.
+check's histories need of them (and of the block size).
 
 The generator submits a request only while the active ones together need at
 most ``ceil((prompt + max_new_tokens) / B) + 1`` KV blocks each and two state
@@ -40,6 +40,13 @@ TOGETHER = ("same_step_cold_prefills", "evictions_past_running_entry", "verify_b
             "claims_while_loading")
 
 
+# Counters of positions inside a block: none exists where a block is one token.
+INSIDE_A_BLOCK = ("mid_block_hits", "aborts_before_copied_block_complete", "mid_block_chunks_after_mid_block_hit",
+                  "mid_block_chunk_ends", "in_block_divergences", "tail_divergences", "divergences_inside_held_block",
+                  "aborts_mid_prefill_after_mid_block_hit", "mid_block_local_vs_remote",
+                  "tier_hits_over_mid_block_local")
+
+
 @dataclass(frozen=True)
 class PoolLimits:
     skip: str | None  # why no history of the check fits the pool at all (the check is skipped)
@@ -63,12 +70,23 @@ def pool_limits(spec: CheckSpec, config: ImplConfig, max_drafts: int = 0) -> Poo
         return PoolLimits(f"the pool is too small for a request that could reuse anything: the generator's budget "
                           f"sets {reuse} KV blocks aside for a prompt past its first block, and the pool has {kv}",
                           {})
+    geometry = {}
+    if B == 1:  # every position is a block boundary (SGLang's page 1)
+        geometry.update({c: f"{c} was not asked for: with blocks of 1 token no position lies inside a block"
+                         for c in INSIDE_A_BLOCK if c in spec.required})
+    elif B == 2 and "aborts_before_copied_block_complete" in spec.required:
+        # a hit inside a 2-token block ends one token before the block's end: the first token
+        # computed completes the copy, and no abort can come between
+        geometry["aborts_before_copied_block_complete"] = (
+            f"aborts_before_copied_block_complete was not asked for: with blocks of {B} tokens a hit inside a "
+            f"block ends one token before its end, which the request's first computed token completes")
     two = 2 * blocks_for(2 * B, 2, B)
     if spec.max_active < 2 or slots < 2 * need_slots or kv < two:
         why = (f"two requests at once never fit the generator's budget in this pool ({kv} KV blocks, {slots} "
                f"state slots; two requests of two blocks need {two} blocks and {2 * need_slots} slots)")
-        return PoolLimits(None, {c: f"{c} was not asked for: {why}" for c in TOGETHER if c in spec.required})
-    return PoolLimits(None, {})
+        return PoolLimits(None, {**geometry, **{c: f"{c} was not asked for: {why}" for c in TOGETHER
+                                                if c in spec.required}})
+    return PoolLimits(None, geometry)
 
 
 def warnings(checks, configs, max_drafts) -> list[str]:

@@ -208,7 +208,9 @@ def design_waivers(required: tuple[str, ...], coverage: dict[str, int], declared
     decl = declared if isinstance(declared, dict) else {}
     excused: dict[str, str] = {}
     notes: list[str] = []
-    for c in required:
+    # the situations a required one is built on are weighed too, required or not
+    weighed = [*required, *(x for c in required if c in by_counter for x in by_counter[c].needs if x not in required)]
+    for c in weighed:
         n = coverage.get(c, 0)
         w = by_counter.get(c)
         if w is not None and w.declared is not None and w.declared(decl):
@@ -227,8 +229,10 @@ def design_waivers(required: tuple[str, ...], coverage: dict[str, int], declared
         w = by_counter.get(c)
         if c not in excused and not coverage.get(c, 0) and w is not None and w.needs \
                 and any(x in excused for x in w.needs):
-            excused[c] = f"{c} stayed at 0: {w.design}, and " + ", ".join(x for x in w.needs if x in excused) \
-                         + " was excused above"
+            why = "; ".join(excused[x] if x not in required else f"{x} was excused above"
+                            for x in w.needs if x in excused)
+            excused[c] = f"{c} stayed at 0: {w.design} ({why})"
+    excused = {c: why for c, why in excused.items() if c in required}
     return excused, notes
 
 

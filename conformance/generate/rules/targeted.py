@@ -151,8 +151,11 @@ class Targeted(MachineBase):
         self.apply(Step(1))
         self.apply(Abort(first))  # mid-prefill: one token past the hit, or none
         other = ((past[0] + 1 + rest[-1] % (self.vocab - 1)) % self.vocab,)  # never the aborted one's token
-        if self._submit_fits(prefix + other + past[1:], max_new):
-            self.apply(Step(1))
+        # With 2-token blocks one token from a hit inside a block ends on the block's end: two tokens
+        # then (and two more of the prompt after them), so that the chunk stops inside the next block.
+        chunk, more = (1, past[1:]) if B > 2 else (2, rest[1:])
+        if self._submit_fits(prefix + other + more, max_new):
+            self.apply(Step(chunk))
             self.apply(Drain(1024))
 
     # -- tier-tail -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ choices make it the witness of three correct designs the suite once failed:
   ``kv-scarce`` never meets ``state_outlives_kv``;
 - (b) ``PromptEndRadixCache`` keeps the state at a prompt's end only
   (``interval: 0``, vLLM's default ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL=0``);
+- ``PagedRadixCache`` rounds every chunk up to a block's end (SGLang's pages);
 - (d) a checkpoint is copied out into a free slot (``snapshots``), never
   registered in the running slot, and skipped when no slot is free: a
   finishing request's running slot is freed, not handed over, and a step's
@@ -223,7 +224,7 @@ class RadixCache:
             self.running.append(req)
         steps = []
         for req in self.running:
-            n = min(len(req.tokens) - req.computed, budget)
+            n = min(len(req.tokens) - req.computed, self._chunk(req, budget))
             if n <= 0:
                 continue
             step = self._plan(req, req.computed + n)
@@ -231,6 +232,10 @@ class RadixCache:
                 steps.append(step)
                 budget -= n
         return StepPlan(tuple(steps), kv_copies=tuple(copies))
+
+    def _chunk(self, req: _Req, budget: int) -> int:
+        """The tokens a request computes out of what the step's budget leaves."""
+        return budget
 
     def _checkpoints(self, req: _Req, start: int, end: int) -> list[int]:
         if self.prompt_end_only:
@@ -342,3 +347,14 @@ class PromptEndRadixCache(RadixCache):
 
     name = "radix-prompt-end"
     prompt_end_only = True
+
+
+class PagedRadixCache(RadixCache):
+    """Rounds every chunk up to the block's end (SGLang cuts a chunk to whole
+    pages): a chunk never ends inside a block, nor is one shorter than the
+    conv window after a hit (the budget is a bound a cache may round)."""
+
+    name = "radix-paged"
+
+    def _chunk(self, req: _Req, budget: int) -> int:
+        return -(-(req.computed + max(budget, 1)) // self.B) * self.B - req.computed if budget > 0 else 0

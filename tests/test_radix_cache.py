@@ -7,7 +7,7 @@ and the excuses say what went unchecked."""
 from __future__ import annotations
 
 import pytest
-from radix_cache import PromptEndRadixCache, RadixCache
+from radix_cache import PagedRadixCache, PromptEndRadixCache, RadixCache
 
 from conformance.contract import ImplConfig
 from conformance.generate.budget import pool_limits
@@ -55,6 +55,18 @@ def test_a_cache_that_skips_a_checkpoint_when_no_slot_is_free_passes_the_hit_rat
     """Finding d (`--check retention-hit-rate --state-slots 3`): the room
     counted a finishing request's running slot and the step's copy source."""
     _passed(_run(RadixCache, "retention-hit-rate", num_state_slots=3))
+
+
+@pytest.mark.parametrize(("check", "chances"), [("mid-block-hits", "short_chunks_rounded_up"),
+                                                ("chunked-prefill", "chunked_prefills")])
+def test_chunks_rounded_up_to_a_block_pass_the_chunked_situations(check, chances):
+    """SGLang's pages of 4: a chunk never ends inside a block, and one after
+    a hit is shorter than the conv window only where the prompt ends there
+    (short_chunks_from_snapshot stayed at 0 at seed 0, hidden behind its
+    expected mid-block failure); memory counts the chances it did not take."""
+    res = _run(PagedRadixCache, check)
+    _passed(res)
+    assert res.coverage["mid_block_chunk_ends"] == 0 and res.coverage[chances] >= 5
 
 
 def test_observation_needs_its_chances_and_says_how_many_it_had():

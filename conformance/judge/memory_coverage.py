@@ -13,8 +13,9 @@ a counter here never takes a listing alone for an eviction: an entry is
 *overwritten* when memory no longer holds its content.
 
 - ``cached_overwritten_while_running``: a step overwrote a block or a slot
-  whose content a listed cached entry was, while another request was
-  mid-prefill or mid-decode (had run and not finished);
+  whose content a listed cached entry was (listed at the schedule, or for a
+  block at any earlier view), while another request was mid-prefill or
+  mid-decode (had run and not finished);
 - ``evictions_past_running_entry``: such an overwrite of a KV entry that was
   listed and used (published, or read by a hit) no earlier than another
   listed KV entry that a running request still has in its block table and
@@ -32,6 +33,9 @@ a counter here never takes a listing alone for an eviction: an entry is
 - ``short_chunks_from_snapshot``: a first step that starts from a cached
   snapshot (copied, or resumed from a slot the plan's state copies or a load
   filled) and computes fewer tokens than the conv window (vllm#56196);
+  ``short_chunks_rounded_up``: such a step whose budget asked for fewer, of a
+  prompt that had more, and which computed at least the window (a cache that
+  rounds a chunk up to a page: SGLang's pages of 4);
 - ``aba_displaced``: a prompt asked for again when memory holds less of what
   could serve it (KV and a state, by provenance) than it held when the
   prompt's earlier request finished: its entries were overwritten meanwhile
@@ -78,7 +82,8 @@ MEMORY_COUNTERS = ("cached_overwritten_while_running", "evictions_past_running_e
                    "aborts_before_copied_block_complete", "mid_block_chunks_after_mid_block_hit",
                    "short_chunks_from_snapshot", "aba_displaced", "divergences_inside_held_block",
                    "state_outlives_kv", "state_outlives_held_kv", "tier_hits_over_local",
-                   "tier_hits_over_mid_block_local", "states_gone_with_kv", "mid_block_reuse_held")
+                   "tier_hits_over_mid_block_local", "states_gone_with_kv", "mid_block_reuse_held",
+                   "short_chunks_rounded_up")
 
 
 class Held:
@@ -169,6 +174,8 @@ class MemoryHistoryCoverage(Checker):
         plan, B, mem = ev.plan, obs.layout.block_size, obs.memory
         tracks = obs.tracks
         conv = mem.conv.shape[2] + 1  # the conv window (memory keeps its last conv_width - 1 inputs)
+        ops = obs.history.ops
+        budget = getattr(ops[-1], "budget", None) if ops else None  # the step's token budget (Step, Drain)
         for rs in plan.requests:
             track = tracks[rs.request_id]
             self.tables[rs.request_id] = rs.block_table
@@ -179,6 +186,9 @@ class MemoryHistoryCoverage(Checker):
                 self.count("mid_block_chunks_after_mid_block_hit")
             if rs.start > 0 and rs.state_init.kind != "fresh" and rs.end - rs.start < conv - 1:
                 self.count("short_chunks_from_snapshot")
+            elif rs.start > 0 and rs.state_init.kind != "fresh" and budget is not None \
+                    and budget < conv - 1 < track.prompt_len - rs.start:
+                self.count("short_chunks_rounded_up")  # asked for a short chunk, the cache computed more
             for b in rs.block_table[: -(-rs.start // B)]:  # what the hit reads is used now
                 if 0 <= b < len(mem.kv_prov):
                     last = mem.kv_prov[b][B - 1]
@@ -216,8 +226,15 @@ class MemoryHistoryCoverage(Checker):
             self.before = None
             gone_kv = [(b, t) for b, t in listed_kv.items() if mem.kv_prov[b][(len(t) - 1) % B] != t]
             gone_states = [s for s, t in listed_states.items() if mem.conv_prov[s] != t or mem.ssm_prov[s] != t]
-            if (gone_kv or gone_states) and running:
+            # KV the cache listed at any earlier view and memory still held until now: a cache that
+            # stops listing an entry when it frees it (SGLang) and writes it in a later step overwrites
+            # cached content all the same (its page 4 under kv-scarce: none listed at the schedule)
+            earlier = [x for x in self.last_use if x not in listed_kv.items()
+                       and mem.kv_prov[x[0]][(len(x[1]) - 1) % B] != x[1]]
+            if (gone_kv or gone_states or earlier) and running:
                 self.count("cached_overwritten_while_running")
+            for x in earlier:
+                self.last_use.pop(x, None)
             kept = [(b, t) for b, t in in_use if mem.kv_prov[b][B - 1] == t]
             if gone_kv and kept and any(self.last_use.get(x, 0) >= self.last_use.get(e, 0)
                                         for x in gone_kv for e in kept):

@@ -111,8 +111,8 @@ class CoverageCounter(Checker):
 # generator's: a cache that evicts a recurrent state together with the KV
 # before it never lets a state outlive that KV; a cache that reuses whole
 # blocks never hits inside one.  Such a cache is correct, and red for its
-# design would be a false verdict.  Each counter below is excused in one of
-# two ways, and only that one:
+# design would be a false verdict.  Each counter below is excused in one
+# way, and only that one:
 #
 # - **declared**: the cache says so in ``retention()`` (``tier_over_local``),
 #   where not producing the situation would otherwise be a broken promise
@@ -132,9 +132,10 @@ class CoverageCounter(Checker):
 # design of reuse: a cache that never reused is no such design).  Where the
 # chances fell short the coverage failure says how many there were.
 #
-# A counter the check's pool cannot hold (two requests at once in a pool the
-# generator's budget gives one at a time) is excused by
-# :func:`conformance.generate.budget.pool_limits`, said up front.
+# A third way is the check's pool (or block size): a counter it cannot hold
+# (two requests at once in a pool the generator's budget gives one at a
+# time) is excused by :func:`conformance.generate.budget.pool_limits`, said
+# before the run's first check (``pool`` below).
 
 
 @dataclass(frozen=True)

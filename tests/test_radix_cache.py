@@ -98,3 +98,14 @@ def test_a_pool_too_small_for_a_history_is_said_not_failed(slots, blocks, excuse
     spec = get_check("hard-prefixes")
     limits = pool_limits(spec, ImplConfig(block_size=4, num_kv_blocks=blocks, num_state_slots=slots))
     assert set(limits.excused) == excused and bool(limits.skip) == skip
+
+
+def test_the_block_size_s_limits_are_said_not_failed():
+    """--block-size 2 (the documented minimum): a partial tail is one token
+    (hard-prefixes' tail_divergences at 0, seed 0) and a hit inside a block is
+    completed by its first token; with 1-token blocks no position is inside one."""
+    two = ImplConfig(block_size=2, num_kv_blocks=64, num_state_slots=24)
+    assert set(pool_limits(get_check("hard-prefixes"), two).excused) == {"tail_divergences"}
+    assert set(pool_limits(get_check("mid-block-hits"), two).excused) == {"aborts_before_copied_block_complete"}
+    one = ImplConfig(block_size=1, num_kv_blocks=64, num_state_slots=24)
+    assert "mid_block_hits" in pool_limits(get_check("mid-block-hits"), one).excused

@@ -74,12 +74,16 @@ def pool_limits(spec: CheckSpec, config: ImplConfig, max_drafts: int = 0) -> Poo
     if B == 1:  # every position is a block boundary (SGLang's page 1)
         geometry.update({c: f"{c} was not asked for: with blocks of 1 token no position lies inside a block"
                          for c in INSIDE_A_BLOCK if c in spec.required})
-    elif B == 2 and "aborts_before_copied_block_complete" in spec.required:
+    elif B == 2:
         # a hit inside a 2-token block ends one token before the block's end: the first token
-        # computed completes the copy, and no abort can come between
-        geometry["aborts_before_copied_block_complete"] = (
-            f"aborts_before_copied_block_complete was not asked for: with blocks of {B} tokens a hit inside a "
-            f"block ends one token before its end, which the request's first computed token completes")
+        # computed completes the copy, and no abort can come between; and a partial tail is one
+        # token long, so no prompt diverges one token into it and still inside it
+        short = {"aborts_before_copied_block_complete": "a hit inside a block ends one token before its end, "
+                                                        "which the request's first computed token completes",
+                 "tail_divergences": "a sequence's partial last block holds one token, and no prompt parts from "
+                                     "it one token into it and still inside it"}
+        geometry.update({c: f"{c} was not asked for: with blocks of 2 tokens {w}" for c, w in short.items()
+                         if c in spec.required})
     two = 2 * blocks_for(2 * B, 2, B)
     if spec.max_active < 2 or slots < 2 * need_slots or kv < two:
         why = (f"two requests at once never fit the generator's budget in this pool ({kv} KV blocks, {slots} "

@@ -144,6 +144,11 @@ class Targeted(MachineBase):
             prefix = self.bases[base][: blocks * B + offset]
             self._submit_fits(prefix, 1)
             self.apply(Drain(1024))
+        if prefix not in INDEXES.get(self.session.last_view, B).states:
+            # its prompt-end state not cached: under second-hit admission it needs a second sighting
+            # (the reference under admission second-hit, seed 0: the abort-copy histories stayed at 0)
+            self._submit_fits(prefix, 1)
+            self.apply(Drain(1024))
         past = rest[: B - len(prefix) % B + 1]  # through the copied block's end and one token more
         first = self.new_id()
         if not self._submit_fits(prefix + past, 1, first):

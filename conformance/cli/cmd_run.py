@@ -8,6 +8,7 @@ import sys
 from conformance.cli.common import Progress, add_impl_options, parse_options, positive_int, summary_lines, terminated
 from conformance.cli.supervise import first_signal_only, tell_parent
 from conformance.errors import UsageError
+from conformance.suite.checks import pool_warnings
 from conformance.suite.prepare import prepare_run
 from conformance.suite.run import RunOptions, execute
 
@@ -96,6 +97,8 @@ def main(args) -> int:
         load_expectations_for_cli(args.expectations)  # a typo should fail now, not after the run (exit 2)
     run = prepare_run(opts)  # every usage error is raised here, before any work
     tell_parent(run.report_dir)
+    for line in pool_warnings(run):  # a pool too small for a check's histories: said before the first check
+        print(line, file=sys.stderr)
     result = execute(run)
     return render(result, args.impl, args.mutant)
 

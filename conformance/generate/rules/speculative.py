@@ -139,7 +139,8 @@ class Speculative(MachineBase):
         """Every outcome of a verification in one request, once an example:
         a prompt ending inside a block decodes with drafts wholly accepted,
         then a step without drafts, then drafts partly accepted (one of
-        them), then all rejected, and runs to its end; then a prompt that
+        them), then all rejected, and runs to its end with drafts wholly
+        accepted (its sequence ends inside them); then a prompt that
         shares its sequence past the accepted drafts hits it
         (:meth:`reuse_verified`).  The whole acceptance comes first, so that
         the sequence goes on past the next block boundary (and the block a
@@ -155,17 +156,43 @@ class Speculative(MachineBase):
         max_new = self.spec.max_new_tokens
         if len(prompt) < 2 or not self.fits(len(prompt), max_new):
             return
+        walked = self._walk(prompt, max_new, k)
+        if walked and not self._kept_inside_drafts(walked) and self.fits(len(prompt), max_new):
+            # nothing cached inside the accepted drafts: under second-hit admission a checkpoint
+            # there needs a second sighting, and the same prompt decodes the same tokens (the
+            # reference under admission second-hit, seed 0: snapshots_after_verify stayed at 0)
+            self._walk(prompt, max_new, k)
+        if any(v.accepted for v in self.verified):
+            self.reuse_verified(0, 0, suffix, 1)
+
+    def _walk(self, prompt, max_new: int, k: int) -> list:
+        """One request through every outcome, then to its end with drafts
+        wholly accepted: the last verification finishes it inside its
+        accepted drafts, where a cache that keeps sequence ends only
+        (retention interval 0) keeps a state (the reference under interval 0
+        at seed 6: snapshots_after_verify stayed at 0).  Its verifications."""
         rid = self.new_id()
         self.apply(Submit(rid, prompt, max_new))
+        before = len(self.verified)
         for count, agree in ((k, k), (0, 0), (k, 1 if k >= 2 else 0), (k, 0)):
             if not self._until_ready():
                 break
             if count:
                 self.apply(Draft(rid, count, agree))
             self._verify(rid)
+        for _ in range(self.spec.max_new_tokens):
+            if rid not in self.session.active() or not self._until_ready():
+                break
+            self.apply(Draft(rid, k, k))
+            self._verify(rid)
         self.apply(Drain(1024))
-        if any(v.accepted for v in self.verified):
-            self.reuse_verified(0, 0, suffix, 1)
+        return self.verified[before:]
+
+    def _kept_inside_drafts(self, verified) -> bool:
+        """The cache lists a state after a position inside accepted drafts of these verifications."""
+        view = self.session.last_view
+        states = {e.tokens for e in view.cached_states} if view is not None else set()
+        return any((v.base + v.drafts[:i]) in states for v in verified for i in range(1, v.accepted + 1))
 
     @configured_rule(precondition=lambda self: self.enabled("spec") and self.session is not None
                      and any(v.accepted for v in self.verified),

@@ -16,7 +16,7 @@ CHECKS: tuple[CheckSpec, ...] = (
                "mid_block_chunks_after_mid_block_hit", "short_chunks_from_snapshot")),
     CheckSpec("multi-turn-replay", "multi-turn",
               "continuations that replay the previous prompt and output, then add a turn",
-              frozenset({"continue", "step"}), ("multi_turn_hits", "decode_steps")),
+              frozenset({"continue", "step", "reconverge"}), ("multi_turn_hits", "decode_steps")),
     CheckSpec("chunked-prefill", "chunked-prefill",
               "per-step token budgets whose chunk ends split blocks, interleaved with other requests",
               frozenset({"step", "continue"}), ("chunked_prefills", "mid_block_chunk_ends", "prefix_hits")),
@@ -39,7 +39,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     # performance bug, so it is its own family: "hit-rate".
     CheckSpec("retention-policy", "retention",
               "states cached only at declared checkpoints; second-hit admission never admits a first sighting",
-              frozenset({"continue", "step"}), ("checkpoints_offered", "admissions"),
+              frozenset({"continue", "step", "reconverge"}), ("checkpoints_offered", "admissions"),
               options={"interval": 8, "admission": "second-hit"}, observe=("retention",)),
     CheckSpec("retention-hit-rate", "hit-rate",
               "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
@@ -75,7 +75,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               num_kv_blocks=32, num_state_slots=12, max_seq_blocks=8, observe=("expected-hit",)),
     CheckSpec("kv-scarce", "eviction",
               "KV blocks scarcer than state slots: cached KV evicted under running requests",
-              frozenset({"live-pressure", "burst", "step", "continue", "kv-first"}),
+              frozenset({"live-pressure", "burst", "step", "continue", "kv-first", "wait"}),
               ("evictions_while_running", "prefix_hits", "cached_overwritten_while_running", "state_outlives_kv"),
               num_kv_blocks=14, num_state_slots=24, max_prompt_blocks=3, max_seq_blocks=6, max_active=2),
     # 24 KV blocks, four times the state slots: where one pool holds KV and

@@ -16,7 +16,7 @@ CHECKS: tuple[CheckSpec, ...] = (
                "mid_block_chunks_after_mid_block_hit", "short_chunks_from_snapshot")),
     CheckSpec("multi-turn-replay", "multi-turn",
               "continuations that replay the previous prompt and output, then add a turn",
-              frozenset({"continue", "step", "reconverge"}), ("multi_turn_hits", "decode_steps")),
+              frozenset({"continue", "step"}), ("multi_turn_hits", "decode_steps")),
     CheckSpec("chunked-prefill", "chunked-prefill",
               "per-step token budgets whose chunk ends split blocks, interleaved with other requests",
               frozenset({"step", "continue"}), ("chunked_prefills", "mid_block_chunk_ends", "prefix_hits")),
@@ -39,7 +39,8 @@ CHECKS: tuple[CheckSpec, ...] = (
     # performance bug, so it is its own family: "hit-rate".
     CheckSpec("retention-policy", "retention",
               "states cached only at declared checkpoints; second-hit admission never admits a first sighting",
-              frozenset({"continue", "step", "reconverge"}), ("checkpoints_offered", "admissions"),
+              frozenset({"continue", "step", "reconverge"}),
+              ("checkpoints_offered", "admissions", "reconverged_blocks"),
               options={"interval": 8, "admission": "second-hit"}, observe=("retention",)),
     CheckSpec("retention-hit-rate", "hit-rate",
               "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
@@ -109,7 +110,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               frozenset({"spec", "continue", "step"}),
               ("drafts_rejected_all", "drafts_accepted_partial", "drafts_accepted_all", "zero_draft_after_accept",
                "drafts_across_block", "hits_after_verify", "snapshots_after_verify", "aborts_with_drafts",
-               "verify_under_pressure", "verify_beside_chunked_prefill"),
+               "verify_under_pressure", "verify_beside_chunked_prefill", "aborts_after_verify"),
               num_kv_blocks=32, num_state_slots=12, max_seq_blocks=10, max_active=2, max_new_tokens=12, spec=True,
               observe_when_declared=("expected-hit",)),
 )

@@ -138,7 +138,10 @@ class Reach(MachineBase):
         B, k, tracks = self.B, declared.max_drafts, self.session.tracks
         count = max(1, k - short)
         prompt = self.bases[base][: max(2, blocks * B + offset)]
-        max_new = 2 * B + 6
+        # the prefill's token, B - 1 to align, 1 and 2 verified, 1 left for the last verification; its
+        # sequence then ends one token into a block (a dense policy's block-boundary checkpoint would
+        # register the end state on its own path, and the end inside a block is where a cache takes it)
+        max_new = B + 4 + (1 - (len(prompt) + B + 3)) % B
         if not self.fits(len(prompt), max_new):
             return
         rid = self.new_id()

@@ -21,7 +21,9 @@ from conformance.contract import RequestStep, StepPlan
 # -- a: the pool exhausted down to a block a live prefix hit holds ------------------------------
 class _HitStaysQueued(BlockPool):
     def acquire(self, ident: int) -> None:
-        self.ref[ident] += 1  # the bug: the block stays in the free queue, where its age put it
+        self.ref[ident] += 1
+        if ident in self.free:
+            self.free.move_to_end(ident)  # the bug: a hit refreshes the block in the free queue, not takes it
 
     def release(self, ident: int) -> None:
         self.ref[ident] = max(0, self.ref[ident] - 1)  # (never below zero: the bug is not its own crash)
@@ -33,8 +35,9 @@ class _HitStaysQueued(BlockPool):
 
 class HitLeftInFreeQueue(ReferenceCache):
     """A prefix hit takes its cached blocks without removing them from the
-    free queue: an allocation that reaches them (every free block and every
-    older cached one taken) hands a block to a new prompt while the hit's
+    free queue (it refreshes them there, as the most recently used): only an
+    allocation that needs every free block and every cached one the hit is
+    younger than reaches them, and hands one to a new prompt while the hit's
     request still reads it."""
 
     name = "witness-a-hit-left-in-free-queue"
@@ -74,17 +77,23 @@ class EndStateAfterAllDrafts(ReferenceCache):
 
     def _verified(self, req, step, accepted, sampled):
         super()._verified(req, step, accepted, sampled)
-        if step.draft_slots and req.generated + (sampled is not None) >= req.max_new:
+        if step.draft_slots and req.resume_slot is not None and req.generated + (sampled is not None) >= req.max_new:
             req.resume_slot = step.draft_slots[-1]  # the bug: the last column, whatever was accepted
 
 
 # -- d: a block opened only by a wholly rejected last draft --------------------------------------
 class LeakWhenLastDraftOpenedBlock(ReferenceCache):
-    """After a verification that accepted nothing, a block that only its last
-    draft opened is dropped from the request's table without being released
-    (a leak: the path that frees a rejected tail forgets that case)."""
+    """Two drafts a step.  After a verification that accepted nothing, a block
+    that only its last draft opened is dropped from the request's table
+    without being released (a leak: the path that frees a rejected tail
+    forgets that case)."""
 
     name = "witness-d-leak-when-last-draft-opened-block"
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        if self.spec.tokens:  # two drafts a step (the outside cache's; with three its leak shows more often)
+            self.spec = SpecOptions(2, self.spec.scheme, self.spec.drop_block)
 
     def _verified(self, req, step, accepted, sampled):
         super()._verified(req, step, accepted, sampled)

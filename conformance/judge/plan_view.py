@@ -55,7 +55,7 @@ class PlanViewListings(Checker):
             slots.update(s for _, s in rs.snapshots)
         for e in view.cached_kv:
             n = len(e.tokens)
-            if n and any((e.block, off) in written for off in range((n - 1) // B * B % B, (n - 1) % B + 1)):
+            if n and any((e.block, off) in written for off in range((n - 1) % B + 1)):
                 self.pending.append(("kv", e.block, e.tokens))
         for s in view.cached_states:
             if s.slot in slots:

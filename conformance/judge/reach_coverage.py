@@ -69,6 +69,12 @@ def _kv_len(memory, prompt: Prefix) -> int:
     return n
 
 
+def _copied_for(row, prompt: Prefix, B: int) -> bool:
+    """A block's row holds a prefix of ``prompt`` that ends inside the block
+    and before the prompt's end (a copy-on-write for a hit there)."""
+    return any(p is not None and len(p) % B and len(p) < len(prompt) and prompt[: len(p)] == p for p in row)
+
+
 class ReachCoverage(Checker):
     name = "reach-coverage"
 
@@ -186,11 +192,7 @@ class ReachCoverage(Checker):
                     continue
                 prompt = track.tokens[: track.prompt_len]
                 for _, dst in record.plan.kv_copies:
-                    if not 0 <= dst < len(mem.kv_prov):
-                        continue
-                    held = [p for p in mem.kv_prov[dst] if p is not None]
-                    top = max(held, key=len, default=None)
-                    if top is not None and len(top) % B and prompt[: len(top)] == top and len(top) < len(prompt):
+                    if 0 <= dst < len(mem.kv_prov) and _copied_for(mem.kv_prov[dst], prompt, B):
                         self.copied[rid] = dst
 
     # -- memory at rest ----------------------------------------------------------------------
@@ -223,7 +225,5 @@ class ReachCoverage(Checker):
         self.waiting.pop(rid, None)
         dst = self.copied.pop(rid, None)
         if dst is not None and obs.tracks[rid].computed is None:
-            prompt = obs.tracks[rid].tokens
-            held = [p for p in obs.memory.kv_prov[dst] if p is not None]
             self.count("aborts_after_copy_before_first_step",
-                       any(len(p) % obs.layout.block_size and prompt[: len(p)] == p for p in held))
+                       _copied_for(obs.memory.kv_prov[dst], obs.tracks[rid].tokens, obs.layout.block_size))

@@ -18,7 +18,8 @@ expectations file: a failed variant's cell is marked ``k`` when the failure
 is a known defect or an expected one (its examples cut short by it, the
 counters stop there) and ``N`` when it is NEW (a history not reached at that
 seed reads NEW too); the exit status is 1 for a NEW failure or a required
-counter at 0 outside a known failure.  The hard histories:
+counter at 0 outside a known failure, unless the cache's design or the pool
+excused it (marked ``e``: the check's notes say why, docs/hard-histories.md).  The hard histories:
 :mod:`conformance.judge.hard_coverage` and :mod:`conformance.judge.memory_coverage`
 (docs/hard-histories.md)."""
 
@@ -67,6 +68,7 @@ def main() -> int:
     status: dict[tuple[str, int], str] = {}
     triaged: dict[tuple[str, int], str] = {}  # a failure's triage: "known D" | "expected" | "NEW"
     done: set[tuple[str, int]] = set()
+    excused: set[tuple[str, str, int]] = set()  # (check, counter, seed): at 0, excused (marked e)
     if args.resume and args.jsonl and Path(args.jsonl).exists():
         for text in Path(args.jsonl).read_text().splitlines():
             line = json.loads(text)
@@ -75,6 +77,7 @@ def main() -> int:
             done.add((line["check"].partition("[")[0], line["seed"]))
             status[(line["check"], line["seed"])] = line["status"]
             triaged[(line["check"], line["seed"])] = line.get("triage", "")
+            excused.update((line["check"], k, line["seed"]) for k in line.get("excused", ()))
             for k, n in line["coverage"].items():
                 rows.setdefault((line["check"], k), {})[line["seed"]] = n
     for seed in parse_seeds(args.seeds):
@@ -93,9 +96,12 @@ def main() -> int:
                 keys = required.get(base, []) + sorted(k for k in HARD - set(required.get(base, []))
                                                        if c.coverage.get(k, 0) > 0)
                 line = {"check": c.id, "seed": seed, "status": c.status, "triage": triaged[(c.id, seed)],
-                        "coverage": {k: c.coverage.get(k, 0) for k in keys}}
+                        "coverage": {k: c.coverage.get(k, 0) for k in keys},
+                        # required counters the cache's design or the pool excused (their notes say why)
+                        "excused": sorted(k for k in keys if any(n.startswith(k + " ") for n in c.notes))}
                 for k, n in line["coverage"].items():
                     rows.setdefault((c.id, k), {})[seed] = n
+                excused.update((c.id, k, seed) for k in line["excused"])
                 if args.jsonl:
                     with open(args.jsonl, "a") as fh:
                         fh.write(json.dumps(line) + "\n")
@@ -106,11 +112,13 @@ def main() -> int:
     def name(check: str, counter: str) -> str:  # * marks a counter the check requires
         return counter + ("*" if counter in required.get(check.partition("[")[0], []) else "")
 
-    def cell(check: str, seed: int, n: int) -> str:  # k: failed on a known or expected failure; N: NEW
+    def cell(check: str, counter: str, seed: int, n: int) -> str:
+        # k: failed on a known or expected failure; N: NEW; e: at 0, excused by the design or the pool
         why = triaged.get((check, seed), "") if status.get((check, seed)) in ("failed", "error") else ""
-        return f"{n}{'N' if why == 'NEW' else 'k' if why else ''}"
+        mark = "e" if (check, counter, seed) in excused else ""
+        return f"{n}{mark}{'N' if why == 'NEW' else 'k' if why else ''}"
 
-    table = [[check, name(check, counter), *(cell(check, s, per.get(s, 0)) for s in seeds),
+    table = [[check, name(check, counter), *(cell(check, counter, s, per.get(s, 0)) for s in seeds),
               str(min(per.get(s, 0) for s in seeds))] for (check, counter), per in rows.items()]
     if args.markdown:
         print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -122,6 +130,7 @@ def main() -> int:
     new = [key for key, why in triaged.items() if why == "NEW"]
     unreached = [(check, counter, s) for (check, counter), per in rows.items() for s in seeds
                  if counter in required.get(check.partition("[")[0], []) and per.get(s, 0) == 0
+                 and (check, counter, s) not in excused
                  and not (triaged.get((check, s)) or "").startswith(("known", "expected"))]
     return 1 if new or unreached else 0
 

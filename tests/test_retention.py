@@ -223,7 +223,7 @@ def test_room_for_checkpoints_is_the_state_memory_the_view_shows():
     check._check_capacity(Session(shared), wanted, type("Now", (), {"states": {b, c}})())  # 2 held: all it could
     with pytest.raises(ConformanceFailure) as exc:  # 1 held with room for 2: still a hit-rate failure
         check._check_capacity(Session(shared), wanted, type("Now", (), {"states": {c}})())
-    assert exc.value.kind == "hit-rate" and "with 2 state slots not held by running requests" in str(exc.value)
+    assert exc.value.kind == "hit-rate" and "with room for 2 (state slots 6, 7, free or caching" in str(exc.value)
     # every slot stated (its own slot pool): slots minus those running requests hold, as before
     separate = CacheView(state_refcounts={0: 1, 1: 1, 2: 2, 3: 0, 4: 0, 5: 0, 6: 0, 7: 0},
                          cached_states=(CachedState(2, c),))

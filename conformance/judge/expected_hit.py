@@ -176,7 +176,9 @@ class ExpectedHit(Checker):
         the device lacks, and a block and a slot more for the request itself
         (its next block, or the copy of a local tail the comparison holds; its
         running state).  Out of what it can take: every unreferenced block and
-        slot (cached ones are what a cache evicts to make room), less the
+        slot (cached ones are what a cache evicts to make room) that the step
+        does not use for another request or a copy (a copy source stated at 0
+        is still read by the step: no room, whatever the view says), less the
         device's own entries of ``held`` (a load joins them: they are pinned,
         not evicted), plus what the request itself took in this schedule or
         holds for its loads (the view after schedule() shows them taken, by
@@ -199,14 +201,24 @@ class ExpectedHit(Checker):
                  if t.direction == "load" and t.request_id == rid]
         own_kv = {t.device for t in loads if t.kind == "kv"}
         own_state = {t.device for t in loads if t.kind == "state"}
+        busy_kv: set[int] = set()  # what the step's other requests and its copies use, whatever the view states
+        busy_state: set[int] = set()
         for rs in plan.requests:
             if rs.request_id == rid:  # its first step (the blocks it computes into are not cached yet)
                 own_kv.update(set(rs.block_table[: len(held) // B]) - cached_kv)
                 own_state.update({rs.state_slot} - cached_state)
+            else:
+                busy_kv.update(rs.block_table)
+                busy_state.update({rs.state_slot, rs.state_init.source, *(t for _, t in rs.snapshots),
+                                   *rs.draft_slots})
+        busy_kv.update(b for pair in plan.kv_copies for b in pair)
+        busy_state.update(s for pair in plan.state_copies for s in pair)
+        busy_kv -= own_kv
+        busy_state -= own_state
         free_kv = sum(1 for b, r in view.kv_refcounts.items()
-                      if (r == 0 and b not in joined_kv) or (r > 0 and b in own_kv))
+                      if (r == 0 and b not in joined_kv and b not in busy_kv) or (r > 0 and b in own_kv))
         free_state = sum(1 for s, r in view.state_refcounts.items()
-                         if (r == 0 and s not in joined_state) or (r > 0 and s in own_state))
+                         if (r == 0 and s not in joined_state and s not in busy_state) or (r > 0 and s in own_state))
         return free_kv >= to_load_kv + 1 and free_state >= to_load_state + 1
 
     def _note_broken_loads(self, obs) -> None:

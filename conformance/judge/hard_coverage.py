@@ -7,8 +7,9 @@ evictions, which the session measures from views memory proved honest.
   request was mid-prefill or mid-decode;
 - ``same_step_cold_prefills``: one step in which two or more requests start
   cold (at 0) on the same first block;
-- ``aba_rerequests``: a prompt asked for again after evictions displaced
-  what was cached when it was first asked for;
+- ``aba_rerequests``: a prompt asked for again (or with one token more, as
+  its next turn) after evictions displaced what was cached when it was
+  first asked for;
 - ``in_block_divergences`` / ``tail_divergences``: a prompt whose longest
   common prefix with an earlier sequence ends inside a block (and, for the
   second, one token into the partial last block of a sequence it shares
@@ -16,13 +17,16 @@ evictions, which the session measures from views memory proved honest.
 - ``matched_then_evicted``: a waiting request whose cached prefix (KV) was
   shorter at a later schedule than at an earlier one: the LRU met an entry
   between its match and its use;
-- ``snapshot_hits_under_slot_pressure``: a hit that copies a snapshot in a
+- ``snapshot_hits_under_slot_pressure``: a hit from a cached snapshot
+  (copied, or resumed from a slot the plan's state copies filled) in a
   step where at most one state slot is free: unreferenced, holding no cached
   entry (a new snapshot there evicts nothing) and untouched by the step's
   plan (the view's word that a slot the step writes or reads is free is not
   taken).  Where one pool serves KV and states (vLLM), the view states
   state-slot refcounts only for ids the KV group does not own, so a page that
-  holds cached KV is not counted free;
+  holds cached KV is not counted free; ``snapshot_hits_unmeasured``: such a
+  hit under a view that states no state refcounts (optional in the
+  contract): nothing tells a free slot there;
 - ``aborts_mid_prefill``, ``aborts_mid_decode``,
   ``aborts_mid_prefill_after_mid_block_hit``: aborts of requests that ran;
 - ``loads_broken`` (failed or short), ``loads_held``, ``loads_delayed``, ``loads_failed``, ``loads_short``,
@@ -43,6 +47,7 @@ from conformance.judge.reuse import INDEXES
 
 HARD_COUNTERS = ("evictions_while_running", "same_step_cold_prefills", "aba_rerequests", "in_block_divergences",
                  "tail_divergences", "matched_then_evicted", "snapshot_hits_under_slot_pressure",
+                 "snapshot_hits_unmeasured",
                  "aborts_mid_prefill", "aborts_mid_decode", "aborts_mid_prefill_after_mid_block_hit")
 TRANSFER_COUNTERS = ("loads_broken", "loads_held", "loads_delayed", "loads_failed", "loads_short", "loads_reordered",
                      "store_evicted_during_load", "claims_while_loading", "aborts_while_loading",
@@ -71,7 +76,10 @@ class HardHistoryCoverage(Checker):
         request = ev.request
         B, prompt = obs.layout.block_size, request.prompt
         evicted = obs.evicted
-        if prompt in self.asked and evicted > self.asked[prompt]:
+        # asked for again, or as its next turn (one token more: under prompt-end retention the
+        # state at the prompt's end serves only that)
+        again = prompt if prompt in self.asked else prompt[:-1]
+        if again in self.asked and evicted > self.asked[again]:
             self.count("aba_rerequests")
         self.asked[prompt] = evicted
         best, tail = 0, False
@@ -116,6 +124,7 @@ class HardHistoryCoverage(Checker):
         cold: dict[tuple[int, ...], int] = {}
         touched = {slot for rs in plan.requests for slot in (rs.state_slot, rs.state_init.source,
                                                              *(s for _, s in rs.snapshots))}
+        touched |= {s for pair in plan.state_copies for s in pair}
         for rs in plan.requests:
             track = obs.tracks[rs.request_id]
             if track.computed is not None:
@@ -124,7 +133,10 @@ class HardHistoryCoverage(Checker):
             self.waiting_kv.pop(rs.request_id, None)
             if rs.start == 0 and track.prompt_len > B:
                 cold[track.tokens[:B]] = cold.get(track.tokens[:B], 0) + 1
-            if rs.state_init.kind == "copy" and rs.start > 0 and view is not None and view.state_refcounts:
+            if rs.state_init.kind != "fresh" and rs.start > 0 and view is not None:
+                if not view.state_refcounts:  # free is a refcount notion: a view without them cannot say
+                    self.count("snapshot_hits_unmeasured")
+                    continue
                 # slots neither referenced nor holding a cached snapshot: what a new snapshot can take
                 cached = {e.slot for e in view.cached_states}
                 free = sum(1 for s, r in view.state_refcounts.items() if r == 0 and s not in cached | touched)

@@ -43,9 +43,10 @@ Two families, reported apart because they are different kinds of bug:
 - ``hit-rate`` (a performance bug, logits stay right): a checkpoint the policy
   admits (always, or from the second sighting on) that is not cached right
   after the step that reached it, as far as the cache had room (a step that
-  reaches more checkpoints than the state slots running requests leave free,
-  as the view states them (:func:`state_room`), is failed only for holding
-  fewer than that), or a new request that reused less than the
+  reaches more checkpoints than the state slots running requests and the
+  step's own running slots and copy sources leave free, as the view states
+  them (:func:`state_room`), is failed only for holding fewer than that; the
+  message names the slots it counted), or a new request that reused less than the
   longest prefix whose KV and state the cache held when it was scheduled.
 """
 
@@ -103,35 +104,46 @@ def declared_retention(obs) -> dict | None:
             "junctions": units["junctions"], "interval_at": interval_at, "tier_unit": units["tier_unit"]}
 
 
-def state_room(view: CacheView | None, slots: int, spent: frozenset[int] = frozenset()) -> int:
-    """The state slots a cache had for new checkpoints after a step: those
-    the view states (``state_refcounts``) that no running request holds,
-    free or holding a cached state it may replace.  Where one pool serves KV
-    and states (vLLM), the view states a block for the state group only when
-    the KV group does not own it (the vLLM adapter's ``owners``), so pages
-    that running requests or cached entries hold as KV are no room for a
-    state (a cache is not failed for keeping its cached KV rather than a
-    checkpoint: a declared policy says nothing of which group an eviction
-    takes); counting every slot of the layout (``slots``, there the whole
-    pool) but those running requests hold as states overstated the room and
-    could fail a correct cache.  Where every slot is stated (the reference: its own slot
-    pool) this is exactly ``slots`` minus those held; it never exceeds that
-    figure, so it never fails a cache the old one passed.  A view that states
-    no state refcounts tells nothing: ``slots``.
+def state_room(view: CacheView | None, slots: int, busy: frozenset[int] = frozenset()) -> int:
+    """The state slots a cache had for a step's checkpoints: those the view
+    after the step states (``state_refcounts``) that no running request
+    holds, free or holding a cached state it may replace, less ``busy``, the
+    slots the step itself used otherwise (:func:`step_busy`).  Where one pool
+    serves KV and states (vLLM), the view states a block for the state group
+    only when the KV group does not own it (the vLLM adapter's ``owners``),
+    so pages that running requests or cached entries hold as KV are no room
+    for a state (a cache is not failed for keeping its cached KV rather than
+    a checkpoint: a declared policy says nothing of which group an eviction
+    takes).  Where every slot is stated (the reference: its own slot pool)
+    this is ``slots`` less those held and those the step used.  A view that
+    states no state refcounts tells nothing: ``slots`` less ``busy``."""
+    return len(room_slots(view, slots, busy)) if view is not None and view.state_refcounts else slots - len(busy)
 
-    ``spent``: the running slots of requests that finished in the step with a
-    final state the policy does not keep.  They are free after the step, but
-    while it ran they held the running state, to its end: no cache could have
-    kept one of the step's checkpoints there (251 tokens in one step through
-    62 block boundaries, with 24 slots: one runs the request, 23 is the most
-    any cache holds).  A running slot whose final state is an admitted
-    checkpoint is room: a cache keeps it by handing the slot over."""
+
+def room_slots(view: CacheView | None, slots: int, busy: frozenset[int] = frozenset()) -> list[int]:
+    """The slots :func:`state_room` counts (empty where the view states no state refcounts)."""
     if view is None or not view.state_refcounts:
-        return slots - len(spent)
+        return []
     cached = {e.slot for e in view.cached_states}
     running = sum(1 for s, r in view.state_refcounts.items() if r > 0 and s not in cached)
-    unheld = {s for s, r in view.state_refcounts.items() if 0 <= s < slots and (r <= 0 or s in cached)}
-    return min(slots - running - len(unheld & spent), len(unheld - spent))
+    unheld = sorted(s for s, r in view.state_refcounts.items() if 0 <= s < slots and (r <= 0 or s in cached)
+                    and s not in busy)
+    # never more than the layout leaves beside what running requests and the step hold
+    return unheld[: max(0, slots - running - len(busy - {s for s, r in view.state_refcounts.items() if r > 0}))]
+
+
+def step_busy(plan) -> frozenset[int]:
+    """The slots a step used for something other than its checkpoints, which
+    no cache could keep one in: every request's running slot (it runs the
+    request to the step's end; handing a finishing request's slot over to the
+    cache is a design some caches have, not a promise), the copy sources
+    (``copy_from``: read at the step's start, a cached entry the step reuses)
+    and both ends of the plan's state copies.  A snapshot target is room: a
+    checkpoint went there."""
+    busy = {rs.state_slot for rs in plan.requests}
+    busy |= {rs.state_init.source for rs in plan.requests if rs.state_init.source is not None}
+    busy |= {s for pair in plan.state_copies for s in pair}
+    return frozenset(s for s in busy if s is not None)
 
 
 class RetentionChecker(Checker):
@@ -245,10 +257,7 @@ class RetentionChecker(Checker):
                                         f"sighting, but the declared admission is second-hit")
             if admit:
                 wanted.setdefault(prefix, (rid, q, n))
-        # running slots that ran a finished request to a state the policy does not keep
-        spent = frozenset(rs.state_slot for rs in plan.requests if rs.request_id in finished
-                          and obs.tracks[rs.request_id].tokens[: rs.end] not in wanted)
-        self._check_capacity(obs, wanted, now, spent)
+        self._check_capacity(obs, wanted, now, step_busy(plan))
         # A state loaded from the second tier may be cached: the tier kept it
         # (the harness's own record of what loads brought in, not the view).
         loaded = obs.loaded_states
@@ -258,28 +267,33 @@ class RetentionChecker(Checker):
                 self._fail("retention", f"a state after {len(prefix)} tokens was cached, a position the declared "
                                         f"policy {self._policy()} never checkpoints (or has not admitted yet)")
 
-    def _check_capacity(self, obs, wanted: dict, now, spent: frozenset[int] = frozenset()) -> None:
+    def _check_capacity(self, obs, wanted: dict, now, busy: frozenset[int] = frozenset()) -> None:
         """Every checkpoint the policy admits is cached right after the step
-        that reached it, as far as the cache has room: a step that reaches
-        more checkpoints than there are state slots not held by running
-        requests (nor spent running a finished one, :func:`state_room`) is
-        failed only for holding fewer than it could."""
+        that reached it, as far as the cache had room: a step that reaches
+        more checkpoints than there are state slots neither held by running
+        requests nor used by the step otherwise (:func:`state_room`,
+        :func:`step_busy`) is failed only for holding fewer than that."""
         assert self.decl is not None  # asked only of a checker whose implementation declared one
         missing = [(p, info) for p, info in wanted.items() if p not in now.states]
         if not missing:
             return
-        room = state_room(obs.last_view, obs.layout.num_state_slots, spent)
+        slots = obs.layout.num_state_slots
+        room = state_room(obs.last_view, slots, busy)
         held = len(wanted) - len(missing)
         if held >= min(len(wanted), room):
             self.count("checkpoints_beyond_capacity", len(missing))
             return
         _prefix, (rid, q, n) = missing[0]
         why = "reached" if self.decl["admission"] == "always" else f"sighted {n} times"
+        listed = room_slots(obs.last_view, slots, busy)
+        where = (f"state slots {', '.join(map(str, listed))}, free or caching a state after the step"
+                 if listed else f"{slots} state slots in the layout (the view states no refcounts)")
+        used = f"; not room: the step's running slots and copy sources {', '.join(map(str, sorted(busy)))}" \
+            if busy else ""
         self._fail("hit-rate", f"request {rid}: checkpoint at position {q} ({why}) is not cached after the step, "
-                               f"though the declared policy {self._policy()} keeps it (the step reached "
-                               f"{len(wanted)} admitted checkpoints and held {held}, with {room} state slots not "
-                               f"held by running requests" + (" nor spent running a finished one to a state the "
-                                                             "policy does not keep" if spent else "") + ")")
+                               f"though the declared policy {self._policy()} keeps it: the step reached "
+                               f"{len(wanted)} admitted checkpoints and held {held}, with room for {room} "
+                               f"({where}{used})")
 
     def _junction(self, obs, view_before, track, rs, later=()) -> list[int]:
         """The request's junction: where the KV that other requests had cached

@@ -148,3 +148,23 @@ def get_check(check_id: str) -> CheckSpec:
         if spec.id == check_id:
             return spec
     raise KeyError(f"unknown check {check_id!r}; known: {', '.join(s.id for s in CATALOGUE)}")
+
+
+def pool_warnings(run) -> list[str]:
+    """Before the first check: each planned check whose pool (the run's
+    ``--kv-blocks`` / ``--state-slots`` over the check's own) leaves one of its
+    histories out of the generator's budget, and what that costs (skipped, or
+    counters not asked for: :func:`conformance.generate.budget.pool_limits`).
+    The check's result says it again."""
+    from conformance.generate.budget import warnings
+
+    pools = run.pools
+    specs = [p.spec for p in run.checks if isinstance(p.spec, CheckSpec) and not p.spec.disagg]
+    configs = [s.impl_config(block_size=pools.block_size, num_kv_blocks=pools.num_kv_blocks,
+                             num_state_slots=pools.num_state_slots) for s in specs]
+
+    def drafts(spec: CheckSpec) -> int:  # the implementation declares it when built; its spec option says it here
+        value = run.spec_option[1] if spec.spec and run.spec_option else 0
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    return warnings(specs, configs, drafts)

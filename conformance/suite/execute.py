@@ -14,8 +14,10 @@ from hypothesis.stateful import get_state_machine_test
 
 from conformance.contract import ImplConfig
 from conformance.errors import FailureKind, ImplementationError
+from conformance.generate.budget import pool_limits
 from conformance.generate.machine import HybridCacheMachine, Recorder, hypothesis_settings
 from conformance.generate.spec import CheckSpec
+from conformance.judge.coverage import chances_short, design_waivers
 from conformance.judge.metrics import CacheMetrics
 from conformance.results.records import CheckResult, Failure, RunResult
 from conformance.suite.asked import UNKNOWN, Hung, ask, declared_retention, engine_config, real_block_size
@@ -117,16 +119,18 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     why = ("the implementation declares no tier unit (retention()['tier_unit']): the expected-hit oracle "
            "cannot judge what it reuses from its second tier",) if untiered else ()
     notes.extend(why)
-    # A host tier that never serves a longer prefix over a local hit (declared)
-    # is correct, and the situation tier_hits_over_local counts never occurs
-    # under it: not asked for, and the result says what went unchecked.
-    conservative = spec.tier and isinstance(declared, dict) and declared.get("tier_over_local") is False
-    waived = ("tier_hits_over_local",) if conservative else ()
     if spec.observe_when_declared and declared is None:
         notes.append(f"the implementation declares no retention policy: {', '.join(spec.observe_when_declared)} "
                      f"did not judge this check")
     if spec.observe and declared is None:
         return _no_retention(spec, impl_config)
+    # A pool the user made smaller than the check's histories need: the check
+    # is skipped, or the counters it rules out are excused (said up front too).
+    limits = pool_limits(spec, impl_config, _max_drafts(spec, built, run.timeout))
+    if limits.skip:
+        return CheckResult(id=spec.id, family=spec.family, status="skipped", description=spec.description,
+                           options=parse_variant_id(spec.id)[1], reason=limits.skip)
+    pool = limits.excused
     recorder = Recorder(on_example=lambda r: notify("example", check=spec.id, examples=r.examples,
                                                     operations=r.steps, of=run.examples))
     cache_metrics = CacheMetrics()
@@ -152,20 +156,22 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     status, failure = outcome.status, outcome.failure
     # A hang is not replayed: each replay would wait out the timeout again
     # (the repro keeps the example's operations as they ran).
-    if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT) \
+    if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT,
+                                                    FailureKind.NONDETERMINISTIC) \
             and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
         minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
     met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)
+    # Coverage a correct design never produces (declared or observed) or the
+    # check's pool cannot hold is not asked for; the result says what went
+    # unchecked (conformance.judge.coverage.WAIVERS).
+    excused, contradicted = design_waivers(spec.required, recorder.coverage, declared, pool)
+    notes.extend(contradicted)
     if status == "passed":
-        failure = coverage_failure(spec, recorder, outcome.examples, why, faulted=env is not None,
-                                   waived=waived)
+        failure = coverage_failure(spec, recorder, outcome.examples,
+                                   why + tuple(chances_short(spec.required, recorder.coverage, excused)),
+                                   faulted=env is not None, waived=tuple(excused))
         status = "failed" if failure is not None else status
-    if conservative and "tier_hits_over_local" in spec.required:
-        over = recorder.coverage.get("tier_hits_over_local", 0)
-        notes.append("the implementation declares tier_over_local=False: a host-tier hit over a local one was "
-                     "not asked for, and its reconciliation was not checked" if not over else
-                     f"the implementation declares tier_over_local=False, yet {over} hits read host-tier loads "
-                     f"past a local hit (memory's load ids): the declaration does not hold")
+    notes.extend(note for c, note in excused.items() if not recorder.coverage.get(c, 0))
     if status == "passed" and met:
         # Only known defects: the check fails with the first, which triage names.
         first = met[0]
@@ -182,6 +188,19 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes),
                        engine_config=started_with, facts=facts, known_defects=met)
+
+
+def _max_drafts(spec: CheckSpec, built, timeout: float | None) -> int:
+    """The drafts a request of a speculative check may verify (the pool's
+    budget sets a state slot aside for each), as the implementation declares."""
+    speculation = getattr(built, "speculation", None) if spec.spec and built is not None else None
+    if not callable(speculation):
+        return 0
+    try:
+        declared = ask("speculation()", speculation, timeout=timeout)
+    except (Hung, ImplementationError):
+        return 0  # the check asks again and reports it
+    return int(getattr(declared, "max_drafts", 0) or 0)
 
 
 def known_defects_met(recorder: Recorder, factory, spec: CheckSpec, impl_config, res: Resources, run: Run,

@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 from conformance.contract import ImplConfig
 from conformance.errors import Abandoned, ConformanceFailure, ImplementationError
 from conformance.generate import strategies
+from conformance.generate.budget import blocks_for, slots_for
 from conformance.generate.configured import Conf, configured_rule
 from conformance.generate.probe_sizing import pool_probe
 from conformance.generate.recorder import Recorder
@@ -169,11 +170,17 @@ class MachineBase(RuleBasedStateMachine):
         active = [self.session.tracks[r] for r in self.session.active()]
         if len(active) >= self.spec.max_active or length + max_new > self.max_len:
             return False
-        need = sum(-(-(t.prompt_len + t.max_new) // B) + 1 for t in active) + -(-(length + max_new) // B) + 1
+        need = sum(blocks_for(t.prompt_len, t.max_new, B) for t in active) + blocks_for(length, max_new, B)
         # speculative decoding: a state slot per draft a request may verify, besides its two
         declared = self.session.speculator.declared
-        slots = 2 + (declared.max_drafts if declared is not None else 0)
+        slots = slots_for(declared.max_drafts if declared is not None else 0)
         return need <= cfg.num_kv_blocks and slots * (len(active) + 1) <= cfg.num_state_slots
+
+    def longest_alone(self, max_new: int = 1) -> int:
+        """The longest prompt :meth:`fits` admits with nothing else active
+        (the pool, not the check, bounds the junk that displaces entries)."""
+        B = self.B
+        return max(0, min(self.max_len - max_new, (self.impl_config.num_kv_blocks - 1) * B - max_new))
 
     def new_id(self) -> str:
         self.next_id += 1

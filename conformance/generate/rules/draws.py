@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 
 from conformance.generate import strategies
 from conformance.generate.configured import Conf
+from conformance.harness.ops import Drain, Submit
+from conformance.judge.memory_coverage import Held
+from conformance.judge.reuse import INDEXES
 
 
 def suffix_args(lengths):
@@ -59,3 +62,45 @@ def tail_against_remote(machine, seed: int, length: int, k: int, offset: int, mo
     other = (a[cut] + 1 + rng.randrange(max(1, vocab - 1))) % vocab  # never A's token after the boundary
     head = (a, a[:cut]) if block_end else (a,)
     return (*head, a[: cut - B + offset], junk, a[:cut] + (other,))
+
+
+def boundary_state_alone(machine, a: tuple[int, ...], cut: int) -> None:
+    """Run ``a[:cut]`` on its own when memory holds no state after it: a
+    cache that keeps prompt ends only (retention interval 0, vLLM's default)
+    keeps none at a block boundary inside a longer prompt, and the host tier
+    can bring back only what the device once held.  Where the cache kept one
+    (a checkpoint at every block) nothing is run: the history is as before."""
+    if a[:cut] not in Held(machine.session.memory).states and machine.fits(cut, 1):
+        machine.apply(Submit(machine.new_id(), a[:cut], 1))
+        machine.apply(Drain(1024))
+
+
+def displace_boundary_state(machine, a: tuple[int, ...], cut: int, junk: tuple[int, ...]) -> None:
+    """While the device still lists the state after ``a[:cut]``, one-block
+    prompts (the junk's first block and a token, shifted) follow, at most as
+    many as the state pool: the junk is sized to take the state slots of a
+    cache that keeps a state at every block (one long prompt), which a cache
+    that keeps prompt ends only fills with one state, so the boundary's state
+    stayed on the device and the host tier had nothing to beat a local hit
+    with (the reference under interval 0: tier_hits_over_local 0 at seed 4).
+    Younger than the mid-block local entry, they leave it to the LRU's last."""
+    B, vocab = machine.B, machine.model.config.vocab_size
+    for i in range(1, machine.impl_config.num_state_slots + 1):
+        if a[:cut] not in INDEXES.get(machine.session.last_view, B).states:
+            return
+        prompt = tuple((t + i) % vocab for t in junk[: B + 1])
+        if not machine.fits(len(prompt), 1):
+            return
+        machine.apply(Submit(machine.new_id(), prompt, 1))
+        machine.apply(Drain(1024))
+
+
+def asked_again(memory, track) -> tuple[int, ...]:
+    """What a finished request's prompt is asked for again as: the prompt,
+    or, where memory holds nothing that can serve the prompt itself, the
+    prompt and its first output token (a next turn).  Under prompt-end
+    retention the state at the prompt's end is all there is, and a request
+    for the same prompt cannot start there (one token is left to compute)."""
+    prompt = track.tokens[: track.prompt_len]
+    held = Held(memory)
+    return prompt if held.reuse(prompt) else track.tokens[: track.prompt_len + 1]

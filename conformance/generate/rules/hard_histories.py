@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from conformance.generate import strategies
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
-from conformance.generate.rules.draws import DIVERGING, junk_prompts
+from conformance.generate.rules.draws import DIVERGING, asked_again, junk_prompts
 from conformance.harness.observation import Track
 from conformance.harness.ops import Abort, Drain, Step, Submit
 from conformance.judge.memory_coverage import Held
@@ -102,8 +102,9 @@ class HardHistories(MachineBase):
         evicts never-used blocks first and keeps one pool for KV and states
         (vLLM) can hold a prompt through a few pool-sized prompts."""
         prev = self.session.tracks[self.finished[which % len(self.finished)]]
-        asked = prev.tokens[: prev.prompt_len]
+        asked = asked_again(self.session.memory, prev)  # (or as its next turn: prompt-end retention)
         held = Held(self.session.memory).reuse(asked)
+        junk = [prompt[: self.longest_alone()] for prompt in junk]  # (the pool bounds it where it is small)
         for prompt in junk:
             self.apply(Submit(self.new_id(), prompt, 1))
             self.apply(Drain(1024))
@@ -113,7 +114,7 @@ class HardHistories(MachineBase):
                 break
             self.apply(Submit(self.new_id(), tuple((t + i) % self.vocab for t in junk[-1]), 1))
             self.apply(Drain(1024))
-        self._submit_if_fits(prev.tokens[: prev.prompt_len], 1)
+        self._submit_if_fits(asked, 1)
         if self.enabled("transfers"):
             self.apply(Step(1))  # the tier issues its loads: they are pending for the rules of Transfers
 

@@ -23,6 +23,7 @@ class Pressure(MachineBase):
         before = list(self.session.tracks)
         # The latest junk one token short, so that it and one token more fit
         # the longest sequence (the reuse below extends it whole).
+        junk = [prompt[: self.longest_alone()] for prompt in junk]  # (the pool bounds it where it is small)
         junk = [*junk[:-1], junk[-1][:-1]]
         for prompt in junk:
             self.apply(Submit(self.new_id(), prompt, 1))

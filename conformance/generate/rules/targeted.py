@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from conformance.generate import strategies
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
-from conformance.generate.rules.draws import tail_against_remote
+from conformance.generate.rules.draws import displace_boundary_state, tail_against_remote
 from conformance.harness.ops import Abort, Drain, Step, Submit
 from conformance.judge.memory_coverage import Held
 from conformance.judge.reuse import INDEXES
@@ -163,8 +163,11 @@ class Targeted(MachineBase):
         self.apply(Step(1))
         self.apply(Abort(first))  # mid-prefill: one token past the hit, or none
         other = ((past[0] + 1 + rest[-1] % (self.vocab - 1)) % self.vocab,)  # never the aborted one's token
-        if self._submit_fits(prefix + other + past[1:], max_new):
-            self.apply(Step(1))
+        # With 2-token blocks one token from a hit inside a block ends on the block's end: two tokens
+        # then (and two more of the prompt after them), so that the chunk stops inside the next block.
+        chunk, more = (1, past[1:]) if B > 2 else (2, rest[1:])
+        if self._submit_fits(prefix + other + more, max_new):
+            self.apply(Step(chunk))
             self.apply(Drain(1024))
         # (issue 37, h) a third hit, behind a running request that takes the step's one token: it is
         # aborted after the step that admitted it (its copy-on-write made), before its first chunk, the
@@ -217,6 +220,7 @@ class Targeted(MachineBase):
         if not seqs:
             return
         last, cut = seqs[-1], k * self.B
+        displace_boundary_state(self, seqs[0], cut, seqs[-2])
         rng = random.Random(seed ^ 0x7E1)
         for _ in range(self.impl_config.num_kv_blocks if evict_kv else 0):
             index = INDEXES.get(self.session.last_view, self.B)

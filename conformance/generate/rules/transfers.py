@@ -7,8 +7,15 @@ from hypothesis import strategies as st
 from conformance.generate import strategies
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
-from conformance.generate.rules.draws import junk_prompts, tail_against_remote
+from conformance.generate.rules.draws import (
+    asked_again,
+    boundary_state_alone,
+    displace_boundary_state,
+    junk_prompts,
+    tail_against_remote,
+)
 from conformance.harness.ops import OUTCOMES, Abort, Deliver, Drain, Step, StoreEvict, Submit
+from conformance.judge.memory_coverage import Held
 
 
 class Transfers(MachineBase):
@@ -34,14 +41,22 @@ class Transfers(MachineBase):
         entry evicted after the lookup)."""
         if self.session.active():  # requests are rarely all finished between rules: finish them
             self.apply(Drain(1024))
-        # the longer prompts first: only what spans a block can come back from the tier
-        longest = sorted(self.finished, key=lambda r: -self.session.tracks[r].prompt_len)
-        prev = self.session.tracks[longest[which % min(2, len(longest))]]
+        # the longer prompts first: only what spans a block can come back from the tier, and only
+        # where memory held a state at a block boundary of it (a cache that keeps prompt ends only
+        # has none inside a prompt that ends inside a block)
+        tracks, B = self.session.tracks, self.B
+        held = Held(self.session.memory)
+        longest = sorted(self.finished, key=lambda r: -tracks[r].prompt_len)
+        longest = [r for r in longest if any(tracks[r].tokens[:q] in held.states
+                                             for q in range(B, tracks[r].prompt_len + 1, B))] or longest
+        prev = tracks[longest[which % min(2, len(longest))]]
+        asked = asked_again(self.session.memory, prev)
+        junk = [prompt[: self.longest_alone()] for prompt in junk]  # (the pool bounds it where it is small)
         for prompt in junk:
             self.apply(Submit(self.new_id(), prompt, 1))
             self.apply(Drain(1024))
-        if self.fits(prev.prompt_len, 1):
-            self.apply(Submit(self.new_id(), prev.tokens[: prev.prompt_len], 1))
+        if self.fits(len(asked), 1):
+            self.apply(Submit(self.new_id(), asked, 1))
             self.apply(Step(1))
         decided = False
         for i, (pick, outcome, delay) in enumerate(fates):
@@ -110,7 +125,10 @@ class Transfers(MachineBase):
         the prompt up to the boundary and one diverging token is asked for,
         and its load decided (``fate``) before it runs.  The tokens come from
         ``seed`` (a few draws instead of two prompts' worth)."""
-        for i, seq in enumerate(tail_against_remote(self, seed, length, k, offset, more)):
+        seqs = tail_against_remote(self, seed, length, k, offset, more)
+        for i, seq in enumerate(seqs):
+            if i == 3:  # a cache that keeps prompt ends only needs these (none where it kept them)
+                displace_boundary_state(self, seqs[0], k * self.B, seqs[2])
             if self.fits(len(seq), 1):
                 self.apply(Submit(self.new_id(), seq, 1))
                 if i == 3:
@@ -118,3 +136,5 @@ class Transfers(MachineBase):
                     if self.session.pending_loads():
                         self.apply(StoreEvict(0) if fate == "evict" else Deliver(0, fate, 0))
                 self.apply(Drain(1024))
+            if i == 0:
+                boundary_state_alone(self, seq, k * self.B)

@@ -89,6 +89,24 @@ def test_a_cache_that_lists_its_step_at_schedule_by_known_tokens_passes(check):
     assert res.status == "passed", res.failure
 
 
+class FirstChunkToBlockEnd(WITNESSES["h"]):
+    """Correct: witness h's design without its leak (a hit's first chunk runs
+    to the end of the block it copied, whatever the budget)."""
+
+    def abort(self, request_id):
+        ReferenceCache.abort(self, request_id)
+
+
+def test_a_design_whose_hit_chunk_runs_to_the_block_end_is_not_red_for_it():
+    """Its copy is incomplete only before that chunk: the abort there is the
+    history (h), and the chunk that stops inside the block it never makes is
+    excused by observation (before: a coverage failure at every seed)."""
+    res = run_single_check(FirstChunkToBlockEnd, "mid-block-hits", RunOptions(seed=0, write_reports=False))
+    assert res.status == "passed", res.failure
+    assert res.coverage["aborts_after_copy_before_first_step"] > 0
+    assert any("hit_chunks_to_block_end" in n for n in res.notes), res.notes
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("letter", sorted(WITNESSES))
 def test_the_quick_profile_catches_each_witness(letter):

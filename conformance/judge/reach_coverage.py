@@ -38,7 +38,10 @@ oracle decided), never from what the implementation says of itself.
 - ``aborts_after_copy_before_first_step``: an abort of a request that has
   not computed yet, after a step whose block copies wrote a block holding a
   prefix of its prompt that ends inside the block (a copy-on-write for its
-  hit), memory still holding it (h).
+  hit), memory still holding it (h); ``hit_chunks_to_block_end``: a first
+  chunk after a hit ending inside a block that stops before the prompt's
+  end, on that block's end (the chances of a design that runs it there:
+  ``judge/coverage.py``'s waivers).
 
 The pool probe's requests (``obs.probing``) are not counted.
 """
@@ -52,7 +55,7 @@ Prefix = tuple[int, ...]
 REACH_COUNTERS = ("evictions_past_live_hit", "reconverged_blocks", "relocated_blocks", "drafts_past_remaining",
                   "ends_in_verification", "verify_below_declared", "rejected_drafts_opened_block",
                   "aborts_after_verify", "admissions_beside_verify", "waits_while_busy", "evicted_while_waiting",
-                  "aborts_after_copy_before_first_step")
+                  "aborts_after_copy_before_first_step", "hit_chunks_to_block_end")
 
 
 def _kv_len(memory, prompt: Prefix) -> int:
@@ -137,6 +140,8 @@ class ReachCoverage(Checker):
             if track.computed is not None:
                 continue
             self.copied.pop(rs.request_id, None)
+            # a first chunk after a mid-block hit that stops before the prompt's end, on the block's end
+            self.count("hit_chunks_to_block_end", rs.start % B != 0 and rs.end % B == 0 and rs.end < track.prompt_len)
             wait = self.waiting.pop(rs.request_id, None)
             if wait is not None and wait[1] > 0:
                 self.count("waits_while_busy")

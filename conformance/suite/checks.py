@@ -77,7 +77,8 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("kv-scarce", "eviction",
               "KV blocks scarcer than state slots: cached KV evicted under running requests",
               frozenset({"live-pressure", "burst", "step", "continue", "kv-first", "wait"}),
-              ("evictions_while_running", "prefix_hits", "cached_overwritten_while_running", "state_outlives_kv"),
+              ("evictions_while_running", "prefix_hits", "cached_overwritten_while_running", "state_outlives_kv",
+               "waits_while_busy"),
               num_kv_blocks=14, num_state_slots=24, max_prompt_blocks=3, max_seq_blocks=6, max_active=2),
     # 24 KV blocks, four times the state slots: where one pool holds KV and
     # states (vLLM) slot pressure is pool pressure, and a pool of 64 never

@@ -160,6 +160,10 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                                                     FailureKind.NONDETERMINISTIC) \
             and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
         minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
+    if failure is not None and failure.kind == FailureKind.TIMEOUT and failure.operations:
+        from conformance.suite.minimize import HANG_NOT_MINIMIZED
+
+        notes.append(HANG_NOT_MINIMIZED)
     met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)
     # Coverage a correct design never produces (declared or observed) or the
     # check's pool cannot hold is not asked for; the result says what went

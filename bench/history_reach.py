@@ -34,11 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from conformance.judge.hard_coverage import HARD_COUNTERS, TRANSFER_COUNTERS  # noqa: E402
 from conformance.judge.memory_coverage import MEMORY_COUNTERS  # noqa: E402
+from conformance.judge.reach_coverage import REACH_COUNTERS  # noqa: E402
 from conformance.results.triage import judge_file  # noqa: E402
 from conformance.suite.checks import CHECKS  # noqa: E402
 from conformance.suite.run import RunOptions, run  # noqa: E402
 
-HARD = set(HARD_COUNTERS) | set(TRANSFER_COUNTERS) | set(MEMORY_COUNTERS) | {"remote_expected", "tier_hits"}
+HARD = (set(HARD_COUNTERS) | set(TRANSFER_COUNTERS) | set(MEMORY_COUNTERS) | set(REACH_COUNTERS)
+        | {"remote_expected", "tier_hits"})
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -197,6 +197,10 @@ class StepResult:
     # accepted (0..len(drafts)), for every request whose step verified drafts.
     # The request's sequence grows by drafts[:accepted] and then sampled[id]
     # (the token after the last accepted draft); it has computed end + accepted.
+    # The harness drafts past a request's last token, as engines do: accepted
+    # never exceeds the tokens the request may still generate, and when the
+    # accepted drafts reach max_new_tokens no token is sampled (the request
+    # finished inside the verification; update() reports it).
     accepted: dict[str, int] = field(default_factory=dict)
 
 

@@ -127,13 +127,17 @@ def test_the_state_hit_rate_under_spec_decode():
     (issue 22): the reference keeps caching at accepted boundaries, so the
     state hit rate under spec decode is the one without it; a cache that
     publishes nothing while it speculates (vllm#54360: 0 hits on GDN under any
-    speculative method) shows a collapsed state hit rate beside its KV hit rate."""
+    speculative method) shows a collapsed state hit rate beside its KV hit rate.
+    A turn that ends inside a verification (the drafter proposes past a
+    request's last token, issue 37) has computed its last token, which a
+    plain decode never computes: the next turn reuses that one token more."""
     reqs = wl.load("agent-sessions")[:32]
     plain = replay_workload(reqs, ReferenceCache, {"interval": 0}).result
     spec = replay_workload(reqs, ReferenceCache, {"interval": 0}, spec=(3, 1)).result
     sp = spec["speculation"]
     assert sp["verify_steps"] > 0 and 0 < sp["accepted"] < sp["drafts"]
-    assert spec["hits"] == plain["hits"] and spec["state_hit_rate"] == plain["state_hit_rate"]
+    assert spec["hits"] == plain["hits"] and plain["state_hit_rate"] <= spec["state_hit_rate"] < 1.1 * \
+        plain["state_hit_rate"]
 
     class NoStatesWhileSpeculating(ReferenceCache):
         def _register_snapshot(self, req):

@@ -56,13 +56,29 @@ def test_a_verification_step_is_computed_judged_and_accepted_by_the_oracle(model
     assert [e["accepted"] for e in s.history.as_data() if e["event"] == "verified"] == [2]
 
 
-def test_draft_count_is_capped_by_the_declaration_and_the_remaining_tokens(model, oracle):
-    s = spec_session(model, oracle)
-    to_decode(s, max_new=3)  # one generated, two to go: at most one draft
-    s.apply(Draft("a", 3, 3))
-    assert len(s.speculator.proposals["a"]) == 1
+@pytest.mark.parametrize("scheme", ["per-position", "rollback"])
+@pytest.mark.parametrize("agree,kept", [(3, 2), (2, 2), (1, 1), (0, 0)])
+def test_drafts_run_past_the_last_token_and_the_request_ends_inside_the_verification(model, oracle, scheme, agree,
+                                                                                    kept):
+    """Capped by the declaration only, as engines draft (issue 37, c): with
+    two tokens left a request is proposed three drafts.  The sequence keeps at
+    most the two: accepted drafts that reach them end it with no token sampled
+    after them (update() reports it finished); one accepted ends it with the
+    sampled token after it; none leaves one token to go.  Discarded drafts,
+    rejected or past the end, are judged as rejected ones are (what the cache
+    registers at the sequence's end is held to memory)."""
+    config = ImplConfig(4, 48, 24, options={"spec_tokens": 3, "spec_scheme": scheme})
+    s = spec_session(model, oracle, config=config)
+    to_decode(s, max_new=3)  # one generated, two to go
+    s.apply(Draft("a", 3, agree))
+    assert len(s.speculator.proposals["a"]) == 3
     s.apply(Step(1024))
-    assert s.tracks["a"].done and s.tracks["a"].generated == 3
+    v = s.history.verified_this_step()["a"]
+    assert v.accepted == kept and len(v.drafts) == 3
+    assert s.tracks["a"].done == (kept >= 1)
+    s.apply(Drain(1024))
+    assert s.tracks["a"].generated == 3 and len(s.tracks["a"].tokens) == len(PROMPT) + 3
+    assert not s.active()
 
 
 def test_drafts_for_a_request_not_in_decode_do_nothing(model, oracle):

@@ -35,9 +35,10 @@ def slots_for(max_drafts: int = 0) -> int:
 # Counters of histories that need two requests active at once: several cold
 # prefills of one prefix in one step; an eviction past a running request's
 # entry, made by another's allocations; a verification beside another
-# request's chunk; a second request for a prefix being loaded.
+# request's chunk; a second request for a prefix being loaded; a request that
+# waits while others run (issue 37).
 TOGETHER = ("same_step_cold_prefills", "evictions_past_running_entry", "verify_beside_chunked_prefill",
-            "claims_while_loading")
+            "claims_while_loading", "waits_while_busy")
 
 
 # Counters of positions inside a block: none exists where a block is one token.

@@ -36,6 +36,7 @@ from conformance.generate.rules.base import MachineBase
 from conformance.generate.rules.hard_histories import HardHistories
 from conformance.generate.rules.pressure import Pressure
 from conformance.generate.rules.prompts import Prompts
+from conformance.generate.rules.reach import Reach
 from conformance.generate.rules.speculative import Speculative
 from conformance.generate.rules.steps import Steps
 from conformance.generate.rules.targeted import Targeted
@@ -56,6 +57,7 @@ OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
     (Transfers, frozenset({"transfers"})),
     (Speculative, frozenset({"spec"})),
     (Targeted, frozenset({"evict-running", "abort-copy", "tier-tail", "kv-first"})),
+    (Reach, frozenset({"reconverge", "wait", "spec"})),  # issue 37; "spec": its verification edges
 )
 
 

@@ -12,9 +12,17 @@ reference's greedy next tokens, up to the first that differs
 (:func:`accepted_length`) -- and the implementation hears it in
 ``StepResult.accepted``.
 
+As real drafters do (vLLM's EAGLE, MTP and ngram propose up to ``k`` whatever
+``max_tokens`` leaves), the harness proposes up to the declared ``k`` drafts
+whatever the request has left: a request may end inside a verification.  The
+sequence keeps at most the tokens it may still generate (vLLM's ``check_stop``
+drops the rest): the accepted drafts beyond them are discarded as a rejected
+draft is, and when the kept drafts reach ``max_new_tokens`` no token is
+sampled after them and the request has finished.
+
 Nothing here believes the implementation: a step that carries drafts the
-harness did not propose, or more than the request may still generate, breaks
-the contract; acceptance is the oracle's, never the implementation's logits.
+harness did not propose breaks the contract; acceptance is the oracle's,
+never the implementation's logits.
 """
 
 from __future__ import annotations
@@ -85,16 +93,17 @@ class Speculator:
 
     # -- the drafter ------------------------------------------------------------------
     def ready(self, track: Track) -> bool:
-        """In decode: every known token but the last sampled one computed, and
-        room for at least one draft before the request's last token."""
+        """In decode: every known token but the last sampled one computed (a
+        request with one token left may still be proposed drafts: real
+        drafters propose up to ``k`` whatever it has left)."""
         return (not track.done and track.generated >= 1 and track.computed == len(track.tokens) - 1
-                and track.max_new - track.generated >= 2)
+                and track.generated < track.max_new)
 
     def propose(self, session: Session, op: Draft) -> None:
         track = session.tracks.get(op.request_id)
         if self.declared is None or track is None or not self.ready(track):
             return
-        count = min(op.count, self.declared.max_drafts, track.max_new - track.generated - 1)
+        count = min(op.count, self.declared.max_drafts)  # past the request's last token too, as engines draft
         tokens = draft_tokens(session.oracle, track.tokens, count, min(op.agree, count),
                               session.model.config.vocab_size)
         if tokens:
@@ -125,13 +134,17 @@ class Speculator:
 
     def accept(self, session: Session, rs: RequestStep, track: Track) -> int:
         """After a computed step: the drafts accepted (the track grows by them;
-        the session then samples the token after them), 0 for a step without."""
+        the session then samples the token after them, unless they reached
+        the request's last token), 0 for a step without.  The oracle accepts
+        the drafts that agree with the reference; the sequence keeps at most
+        the tokens the request may still generate, and that is what the
+        implementation is told it accepted."""
         self.proposals.pop(rs.request_id, None)  # a proposal lasts until the request's next step
         if not rs.drafts:
             self.previous_accepted[rs.request_id] = 0
             return 0
         base = track.tokens
-        a = accepted_length(session.oracle, base, tuple(rs.drafts))
+        a = min(accepted_length(session.oracle, base, tuple(rs.drafts)), track.max_new - track.generated)
         track.tokens = base + tuple(rs.drafts[:a])
         track.generated += a
         v = Verified(rs.request_id, base, tuple(rs.drafts), a, tuple(rs.draft_slots))

@@ -32,11 +32,14 @@ def standard_checkers(families: tuple[str, ...] = ()) -> list[Checker]:
     from conformance.judge.lifetime import PoolProbeServed
     from conformance.judge.logits import LogitsMatchReference
     from conformance.judge.memory_coverage import MemoryHistoryCoverage
+    from conformance.judge.plan_view import PlanViewListings
+    from conformance.judge.reach_coverage import ReachCoverage
     from conformance.judge.retention import RetentionChecker
     from conformance.judge.spec_decode import AcceptedPrefixOnly, SpecCoverage
 
-    return [CoverageCounter(), HardHistoryCoverage(), MemoryHistoryCoverage(), SpecCoverage(), TablesReferenced(),
-            LogitsMatchReference(), ViewMatchesMemory(), AcceptedPrefixOnly(), PoolProbeServed(),
+    return [CoverageCounter(), HardHistoryCoverage(), MemoryHistoryCoverage(), SpecCoverage(), ReachCoverage(),
+            TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(), AcceptedPrefixOnly(), PlanViewListings(),
+            PoolProbeServed(),
             *(ExpectedHit() if family == "expected-hit" else RetentionChecker(family) for family in families)]
 
 

@@ -190,10 +190,20 @@ WAIVERS: tuple[DesignWaiver, ...] = (
         "{chances} hits reused a cached state under views that state no state refcounts (optional in the "
         "contract): a free slot cannot be told from a held one there, and slot pressure at a hit was not measured",
         chances="snapshot_hits_unmeasured", at_least=OBSERVED_CHANCES),
+    # (issue 37, h) a design whose hit's first chunk runs to the end of the block it copied, whatever
+    # the budget: its copy is incomplete only before that chunk, where the abort-copy rule's third hit
+    # aborts it (reach_coverage), and that chunk never stops inside the block
     DesignWaiver("aborts_before_copied_block_complete", "an abort before a mid-block hit's copied block is complete "
-                 "needs such a hit", needs=("mid_block_hits",)),
+                 "needs such a hit; where a hit's first chunk runs to the end of the block it copied (a design), "
+                 "the copy is incomplete only before that chunk, and aborts there were exercised "
+                 "(aborts_after_copy_before_first_step)", needs=("mid_block_hits",),
+                 chances="aborts_after_copy_before_first_step", at_least=1),
     DesignWaiver("mid_block_chunks_after_mid_block_hit", "a chunk ending inside a block after a mid-block hit "
-                 "needs both", needs=("mid_block_hits", "mid_block_chunk_ends")),
+                 "needs both; a first chunk after a mid-block hit that stops before the prompt's end stopped at the "
+                 "block's end every time (hit_chunks_to_block_end): a design that runs it to the block's end, "
+                 "where a second stop inside the block (vllm#51763) was not exercised",
+                 needs=("mid_block_hits", "mid_block_chunk_ends"), chances="hit_chunks_to_block_end",
+                 at_least=OBSERVED_CHANCES),
     DesignWaiver(
         "snapshots_after_verify",
         "the declared policy keeps no state a decode step reaches (interval 0, no sequence ends; prompt ends and "

@@ -39,7 +39,8 @@ CHECKS: tuple[CheckSpec, ...] = (
     # performance bug, so it is its own family: "hit-rate".
     CheckSpec("retention-policy", "retention",
               "states cached only at declared checkpoints; second-hit admission never admits a first sighting",
-              frozenset({"continue", "step"}), ("checkpoints_offered", "admissions"),
+              frozenset({"continue", "step", "reconverge"}),
+              ("checkpoints_offered", "admissions", "reconverged_blocks"),
               options={"interval": 8, "admission": "second-hit"}, observe=("retention",)),
     CheckSpec("retention-hit-rate", "hit-rate",
               "every checkpoint the declared policy admits is cached, and lookups reuse the longest cached prefix",
@@ -75,8 +76,9 @@ CHECKS: tuple[CheckSpec, ...] = (
               num_kv_blocks=32, num_state_slots=12, max_seq_blocks=8, observe=("expected-hit",)),
     CheckSpec("kv-scarce", "eviction",
               "KV blocks scarcer than state slots: cached KV evicted under running requests",
-              frozenset({"live-pressure", "burst", "step", "continue", "kv-first"}),
-              ("evictions_while_running", "prefix_hits", "cached_overwritten_while_running", "state_outlives_kv"),
+              frozenset({"live-pressure", "burst", "step", "continue", "kv-first", "wait"}),
+              ("evictions_while_running", "prefix_hits", "cached_overwritten_while_running", "state_outlives_kv",
+               "waits_while_busy"),
               num_kv_blocks=14, num_state_slots=24, max_prompt_blocks=3, max_seq_blocks=6, max_active=2),
     # 24 KV blocks, four times the state slots: where one pool holds KV and
     # states (vLLM) slot pressure is pool pressure, and a pool of 64 never
@@ -109,7 +111,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               frozenset({"spec", "continue", "step"}),
               ("drafts_rejected_all", "drafts_accepted_partial", "drafts_accepted_all", "zero_draft_after_accept",
                "drafts_across_block", "hits_after_verify", "snapshots_after_verify", "aborts_with_drafts",
-               "verify_under_pressure", "verify_beside_chunked_prefill"),
+               "verify_under_pressure", "verify_beside_chunked_prefill", "aborts_after_verify"),
               num_kv_blocks=32, num_state_slots=12, max_seq_blocks=10, max_active=2, max_new_tokens=12, spec=True,
               observe_when_declared=("expected-hit",)),
 )

@@ -146,9 +146,9 @@ class ReferenceCache(SpeculativeDecoding):
             if step.request_id in result.sampled:
                 req.tokens.append(result.sampled[step.request_id])
                 req.generated += 1
-                if req.generated >= req.max_new:
-                    self._finish(req)
-                    finished.append(req.request_id)
+            if req.generated >= req.max_new:  # after a token, or accepted drafts that reached the end
+                self._finish(req)
+                finished.append(req.request_id)
         return finished
 
     def abort(self, request_id: str) -> None:

@@ -164,9 +164,13 @@ def propose(scheduler, request_id: str, tokens: tuple[int, ...]) -> None:
 
 def sampled(plan_step, result) -> list[int]:
     """What the sampler reports for one request: the accepted drafts, then
-    the token after them (rejected positions are not returned)."""
+    the token after them (rejected positions are not returned).  Where the
+    accepted drafts reached the request's last token the harness samples
+    nothing after them, but vLLM's sampler always returns its bonus token and
+    ``check_stop`` drops what passes ``max_tokens``: a placeholder stands in
+    for it, so that ``num_computed_tokens`` ends where the harness's does."""
     rid = plan_step.request_id
-    if rid not in result.sampled:
-        return []
     accepted = result.accepted.get(rid, 0)
-    return [*plan_step.drafts[:accepted], result.sampled[rid]]
+    if rid in result.sampled:
+        return [*plan_step.drafts[:accepted], result.sampled[rid]]
+    return [*plan_step.drafts[:accepted], 0] if plan_step.drafts else []

@@ -52,8 +52,8 @@ class Targeted(MachineBase):
                      and "evict-running" not in self.built,
                      seed=lambda c: st.integers(0, 2**32 - 1),
                      blocks=lambda c: st.integers(1, max(1, c.spec.max_prompt_blocks // 2)),
-                     offset=lambda c: st.integers(0, c.B - 1))
-    def evict_past_running_entry(self, seed, blocks, offset):
+                     offset=lambda c: st.integers(0, c.B - 1), hit=lambda c: st.booleans())
+    def evict_past_running_entry(self, seed, blocks, offset, hit=False):
         """A request decodes while its published blocks are cached entries
         only it holds; distinct prompts, each as long as the pool allows, run
         to their end beside it (younger entries: released after everything
@@ -68,7 +68,15 @@ class Targeted(MachineBase):
         prompts run together and the rule runs once an example.  The
         decoding request asks for as many tokens as that takes; it is
         aborted at the end (mid-decode).  A prompt the cache does not start
-        beside it (a pool shared with states) is aborted and retried shorter."""
+        beside it (a pool shared with states) is aborted and retried shorter.
+
+        With ``hit`` (issue 37, a) the decoding request's prompt is a prefix
+        hit: the prompt less its last token runs to its end first, so the
+        blocks the request reads were cached and unreferenced before its hit
+        took them; the younger entries the rule then overwrites were listed
+        after them.  A hit that takes a cached block without removing it
+        from its free queue leaves the block where its age puts it, and that
+        eviction takes it first while the request still reads it."""
         self.built.add("evict-running")
         rng = random.Random(seed)
         B = self.B
@@ -78,6 +86,8 @@ class Targeted(MachineBase):
         max_new = max(self.spec.max_new_tokens, min(self.max_len - len(a), self.impl_config.num_kv_blocks))
         if not self.fits(len(a), max_new):
             return
+        if hit and self._submit_fits(a[:-1], 1):
+            self.apply(Drain(1024))  # its blocks cached, then hit by the decoding request
         rid = self.new_id()
         self.apply(Submit(rid, a, max_new))
         for _ in range(self.spec.max_seq_blocks + 1):
@@ -132,7 +142,9 @@ class Targeted(MachineBase):
         hits it, runs one token (its copy of the hit's block is not complete)
         and is aborted; another prompt with the same prefix and another next
         token hits it again, runs one token and then to its end.  Alone in
-        the pool, so that the one-token steps are theirs."""
+        the pool, so that the one-token steps are theirs.  Then (issue 37,
+        h) a third one is admitted behind a running request that takes the
+        step's token, and aborted before its first chunk."""
         self.built.add("abort-copy")
         B, tracks = self.B, self.session.tracks
         if self.busy():
@@ -161,6 +173,17 @@ class Targeted(MachineBase):
         chunk, more = (1, past[1:]) if B > 2 else (2, rest[1:])
         if self._submit_fits(prefix + other + more, max_new):
             self.apply(Step(chunk))
+            self.apply(Drain(1024))
+        # (issue 37, h) a third hit, behind a running request that takes the step's one token: it is
+        # aborted after the step that admitted it (its copy-on-write made), before its first chunk, the
+        # only moment its copy is incomplete where a cache runs a hit's first chunk to the block's end
+        alt = ((past[0] + 1 + (rest[-1] + 1) % (self.vocab - 1)) % self.vocab,)  # neither token above
+        if self._submit_fits(self._distinct(random.Random(rest[-1]), 2 * B), 2):
+            self.apply(Step(1))  # running: the next step's budget is its
+            third = self.new_id()
+            if self._submit_fits(prefix + alt + past[1:], 1, third):
+                self.apply(Step(1))
+                self.apply(Abort(third))
             self.apply(Drain(1024))
 
     # -- tier-tail -------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from hypothesis import seed as hypothesis_seed
@@ -69,6 +69,7 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     known defects of ``run.expectations`` are recorded and explored past, never
     raised (conformance.suite.known)."""
     spec = planned.spec
+    res = res.for_check(spec)  # the check's own model and oracle, when it names one (the window family)
     if spec.disagg:
         from conformance.suite.disagg import run_disagg_check
 
@@ -84,6 +85,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no speculative decoding (no spec_option class attribute)")
     asked = check_impl_config(spec, run.impl_options, run.pools, tier_option, spec_option)
+    if res.model.config.window_groups and not asked.windows:  # a run's own model with window layers
+        asked = replace(asked, windows=res.model.config.window_groups)
     if spec.observe and isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
         return _no_retention(spec, asked)  # known without building it (its options may not be this check's)
     try:
@@ -181,7 +184,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                        test_cases=recorder.examples, operations=recorder.steps,
                        seconds=round(time.perf_counter() - started, 3), coverage=dict(recorder.coverage),
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes),
-                       engine_config=started_with, facts=facts, known_defects=met)
+                       engine_config=started_with, facts=facts, known_defects=met,
+                       model=res.model.config.to_dict() if spec.model is not None else {})
 
 
 def known_defects_met(recorder: Recorder, factory, spec: CheckSpec, impl_config, res: Resources, run: Run,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import note
@@ -53,6 +54,8 @@ class MachineBase(RuleBasedStateMachine):
         self.model = model or TinyHybrid(ModelConfig())
         self.oracle = oracle or Oracle(self.model)
         self.impl_config = impl_config or self.spec.impl_config()
+        if self.model.config.window_groups and not self.impl_config.windows:  # the cache is told its windows
+            self.impl_config = replace(self.impl_config, windows=self.model.config.window_groups)
         self.timeout = timeout
         self.recorder = recorder or Recorder()
         # Called with each new session: more checkers (metrics), environment faults.

@@ -61,6 +61,12 @@ CAUGHT_BY = {
     "resume-from-hit-after-short-chunk": "mid-block-hits",
     "state-hit-over-kv": "kv-scarce",
     "tier-offload-after-overwrite": "tier-reuse",
+    # sliding windows (issue 35): a model without window layers never meets them
+    "window-free-in-flight": "window-reuse",
+    "window-hit-smallest-window": "window-reuse",
+    "window-finish-inserts-freed": "window-reuse",
+    "window-unfinished-publishes-released": "window-reuse",
+    "window-eagle-drop-after-finder": "window-spec",
 }
 # Mutants whose history cannot be shorter than 8 operations, each with why.
 LONG_REPROS: dict[str, tuple[int, str]] = {

@@ -180,3 +180,54 @@ def test_a_step_without_window_tables_uses_its_block_table(wmodel):
     with pytest.raises(ContractError, match="window tables"):
         runner.execute(StepPlan((RequestStep("r", 10, 11, (0, 1, 2), 0, RESUME, window_tables=((0, 1, 2),)),)),
                        {"r": seq2})
+
+
+# -- the reference's windows -------------------------------------------------------------------------
+def test_the_reference_lets_go_of_blocks_that_left_the_window(wmodel):
+    """After a prompt past every window, its first blocks are let go in each
+    window group (null in its table, refcount 0, still listed as cached until
+    reused); the full layers keep every block while it runs."""
+    from conformance.adapters.reference import ReferenceCache
+    from conformance.harness.ops import Step, Submit
+    from conformance.harness.oracle import Oracle
+    from conformance.judge import judged_session
+    from conformance.suite.checks import get_check
+
+    config = get_check("window-reuse").impl_config()
+    assert config.windows == (6, 11)
+    session = judged_session(ReferenceCache, config, wmodel, Oracle(wmodel))
+    prompt = tuple(_seq(19, 5))
+    session.apply(Submit("a", prompt, 4))
+    while session.tracks["a"].computed is None or session.tracks["a"].computed < 19:
+        session.apply(Step(1024))
+    session.apply(Step(1024))
+    plan = session.last_plan
+    [rs] = plan.requests
+    assert rs.start == 19 and len(rs.block_table) == 5 and NULL_BLOCK not in rs.block_table
+    g0, g1 = rs.window_tables
+    assert g0[:3] == (NULL_BLOCK,) * 3 and NULL_BLOCK not in g0[3:]  # window 6 at 19 reads [14, 19): blocks 3-4
+    assert g1[:2] == (NULL_BLOCK,) * 2 and NULL_BLOCK not in g1[2:]  # window 11 reads [9, 19): blocks 2-4
+    view = session.last_view
+    listed = {(e.block, e.window_group) for e in view.cached_kv}
+    freed = [b for b, n in view.kv_refcounts.items() if n == 0 and (b, 0) in listed]
+    assert len(freed) >= 3
+
+
+def test_a_cache_that_keeps_every_window_block_is_not_asked_for_what_only_freeing_produces(tmp_path):
+    """A correct cache of another design: no window tables, every attention
+    layer in one group (vLLM without the hybrid allocator).  It passes the
+    window check; the counters only letting blocks go can produce are not
+    asked of it, and the result says so."""
+    from conformance.adapters.reference import ReferenceCache
+    from conformance.suite.run import RunOptions, run
+
+    class KeepsEveryBlock(ReferenceCache):
+        def __init__(self, config=None):
+            super().__init__(config)
+            self.windows = ()
+
+    result = run(RunOptions(impl=KeepsEveryBlock, checks=("window-reuse",), examples=10, report_dir=tmp_path))
+    [check] = result.checks
+    assert check.status == "passed", check.failure
+    assert check.coverage["window_blocks_let_go"] == 0 and check.coverage["window_hits_past_freed"] == 0
+    assert any("let no window block go" in n for n in check.notes)

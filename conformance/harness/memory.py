@@ -53,9 +53,12 @@ class Memory:
         # corrupted load that a step read from one that was never used.
         self.kv_origin: list[int | None] = [None] * layout.num_kv_blocks
         self.state_origin: list[int | None] = [None] * layout.num_state_slots
-        # Window groups: per group g (window windows[g]), its layers' KV, provenance and origin per block.
+        # Window groups: per group g (window windows[g]), its layers' KV, provenance and origin per
+        # block.  ``layer_groups``: the group of each W layer, in layer order (by default one group
+        # per distinct window, ModelConfig.window_groups; a finer grouping gives each group its table).
         self.windows: tuple[int, ...] = c.window_groups
-        self.win = [poisoned(c.window_group_layers(g), layout.num_kv_blocks, B, 2, c.attn_heads, c.head_dim)
+        self.layer_groups: tuple[int, ...] = tuple(self.windows.index(w) for w in c.layer_windows if w)
+        self.win = [poisoned(self.layer_groups.count(g), layout.num_kv_blocks, B, 2, c.attn_heads, c.head_dim)
                     for g in range(len(self.windows))]
         self.win_prov: list[list[list[Prefix | None]]] = [[[None] * B for _ in range(layout.num_kv_blocks)]
                                                           for _ in self.windows]

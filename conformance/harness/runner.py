@@ -102,13 +102,13 @@ class Runner:
         """K and V each window layer reads, in layer order."""
         mem = self.memory
         per_group = [iter(mem.read_window(g, table, start)) for g, table in enumerate(tables)]
-        return [next(per_group[mem.windows.index(w)]) for w in self.model.config.layer_windows if w]
+        return [next(per_group[g]) for g in mem.layer_groups]
 
     def _write_windows(self, tables, start: int, new_win, seq: Prefix) -> None:
         mem = self.memory
         grouped: list[list] = [[] for _ in tables]
-        for w, kv in zip((w for w in self.model.config.layer_windows if w), new_win):
-            grouped[mem.windows.index(w)].append(kv)
+        for g, kv in zip(mem.layer_groups, new_win):
+            grouped[g].append(kv)
         for g, table in enumerate(tables):
             mem.write_window(g, table, start, grouped[g], seq)
 

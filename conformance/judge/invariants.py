@@ -3,7 +3,7 @@ what the harness's memory really holds."""
 
 from __future__ import annotations
 
-from conformance.contract import CacheView, RequestStep, StepPlan
+from conformance.contract import NULL_BLOCK, CacheView, RequestStep, StepPlan
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
 from conformance.harness.memory import Memory
@@ -86,7 +86,10 @@ def check_tables_referenced(view: CacheView, plan: StepPlan, block_size: int,
     problems = []
     for rs in plan.requests:
         for what, b in used_blocks(rs, block_size, windows):
-            if view.kv_refcounts.get(b, 0) < 1:
+            if b == NULL_BLOCK:
+                problems.append(f"request {rs.request_id} reads or writes a position of its window through a null "
+                                f"entry{what}")
+            elif view.kv_refcounts.get(b, 0) < 1:
                 problems.append(f"request {rs.request_id} uses KV block {b}{what}, which has refcount "
                                 f"{view.kv_refcounts.get(b, 0)} (free or evictable while in use)")
     return problems
@@ -102,7 +105,7 @@ def check_holders_counted(view: CacheView, plan: StepPlan, block_size: int,
         return []
     holders: dict[int, list[str]] = {}
     for rs in plan.requests:
-        for b in dict.fromkeys(b for _, b in used_blocks(rs, block_size, windows)):
+        for b in dict.fromkeys(b for _, b in used_blocks(rs, block_size, windows) if b != NULL_BLOCK):
             holders.setdefault(b, []).append(rs.request_id)
     problems = []
     for b, reqs in holders.items():

@@ -43,7 +43,12 @@ check requires (``suite/checks.py``, family "window"):
   (vllm#47728's rollback below already-nulled blocks);
 - ``window_offloads_leaving``: an offload of a window group's block whose
   positions lie wholly before the window of a running request of that
-  sequence (a block leaving the window, stored before it is reused).
+  sequence (a block leaving the window, stored before it is reused);
+- ``window_blocks_let_go``: a step whose window table holds a null entry
+  before its window (the cache let a block go while the request runs).  A
+  cache that never does (a correct design: every attention layer in one
+  group) cannot produce the counters of ``NEEDS_LETTING_GO``; a check does not
+  ask it for them, and says so.
 
 The pool probe's requests are not counted.  Nothing here runs for a model
 without window layers.
@@ -51,6 +56,7 @@ without window layers.
 
 from __future__ import annotations
 
+from conformance.contract import NULL_BLOCK
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
 
@@ -58,7 +64,11 @@ Prefix = tuple[int, ...]
 
 WINDOW_COUNTERS = ("window_prompts_past_window", "window_chunks_across", "window_hits_past_freed",
                    "window_extended_hits", "window_aborts_mid_window", "window_drafts_rejected_across_edge",
-                   "window_offloads_leaving")
+                   "window_offloads_leaving", "window_blocks_let_go")
+# What only a cache that lets window blocks go while a request runs can produce: a cache
+# that keeps them all (no window tables: one group for every attention layer) is not
+# asked for them (suite/execute.py, by observation of window_blocks_let_go).
+NEEDS_LETTING_GO = ("window_hits_past_freed", "window_offloads_leaving")
 
 
 class WindowReadsHeld(Checker):
@@ -107,6 +117,8 @@ class WindowCoverage(Checker):
         for rs in ev.plan.requests:
             track = obs.tracks[rs.request_id]
             first = track.computed is None
+            self.count("window_blocks_let_go", any(NULL_BLOCK in t[: max(0, rs.start - w + 1) // B]
+                                                   for t, w in zip(rs.window_tables, self.windows)))
             if rs.end == track.prompt_len and track.prompt_len > widest and rs.start < track.prompt_len:
                 self.count("window_prompts_past_window")
             if not first and rs.start >= widest and rs.start < track.prompt_len:

@@ -124,7 +124,7 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     # is correct, and the situation tier_hits_over_local counts never occurs
     # under it: not asked for, and the result says what went unchecked.
     conservative = spec.tier and isinstance(declared, dict) and declared.get("tier_over_local") is False
-    waived = ("tier_hits_over_local",) if conservative else ()
+    waived: tuple[str, ...] = ("tier_hits_over_local",) if conservative else ()
     if spec.observe_when_declared and declared is None:
         notes.append(f"the implementation declares no retention policy: {', '.join(spec.observe_when_declared)} "
                      f"did not judge this check")
@@ -159,6 +159,11 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
             and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
         minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
     met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)
+    kept = window_blocks_kept(spec, recorder.coverage)  # a cache that never lets a window block go
+    if kept:
+        waived += kept
+        notes.append(f"the implementation let no window block go while a request ran (no window table held a null "
+                     f"entry): {', '.join(kept)} not asked for, as such a cache cannot produce it")
     if status == "passed":
         failure = coverage_failure(spec, recorder, outcome.examples, why, faulted=env is not None,
                                    waived=waived)
@@ -186,6 +191,19 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                        failure=failure, metrics=cache_metrics.summary(), notes=notes + sorted(recorder.notes),
                        engine_config=started_with, facts=facts, known_defects=met,
                        model=res.model.config.to_dict() if spec.model is not None else {})
+
+
+def window_blocks_kept(spec: CheckSpec, coverage: Mapping[str, int]) -> tuple[str, ...]:
+    """The window counters a cache that keeps every window block while a
+    request runs cannot produce (it reads its window layers through
+    ``block_table``, or frees nothing early: a correct design, vLLM without
+    the hybrid allocator), by observation: no step's window table ever held a
+    null entry before its window (``window_blocks_let_go``)."""
+    from conformance.judge.windows import NEEDS_LETTING_GO
+
+    if "window_blocks_let_go" not in coverage or coverage["window_blocks_let_go"]:
+        return ()
+    return tuple(c for c in spec.required if c in NEEDS_LETTING_GO)
 
 
 def known_defects_met(recorder: Recorder, factory, spec: CheckSpec, impl_config, res: Resources, run: Run,

@@ -138,9 +138,10 @@ class TinyHybrid:
         at [q - window + 1, q] (vLLM's ``sliding_window``).  Returns [T, heads * head_dim]."""
         t = q.shape[0]
         scores = torch.einsum("qhd,khd->hqk", q, K) / self.config.head_dim**0.5
-        kpos = torch.arange(first, first + K.shape[0], device=self.device)[None, :]
-        qpos = torch.arange(start, start + t, device=self.device)[:, None]
-        scores = scores.masked_fill(~((kpos <= qpos) & (kpos > qpos - window)), float("-inf"))
+        if t > 1 or first <= start - window:  # (one query whose keys are its window's exactly: no mask)
+            kpos = torch.arange(first, first + K.shape[0], device=self.device)[None, :]
+            qpos = torch.arange(start, start + t, device=self.device)[:, None]
+            scores = scores.masked_fill(~((kpos <= qpos) & (kpos > qpos - window)), float("-inf"))
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), V).reshape(t, -1)
 
     def _conv(self, p: dict, window: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ class Windows(MachineBase):
         prompt = self._window_tokens(rng, (blocks - 1) * B + offset)
         rid = self.new_id()
         # decoding as long as the check allows, leaving room to ask for the whole sequence again
-        if not self._window_submit(prompt, max(1, min(self.max_len - len(prompt) - B - 2, 4 * B)), rid):
+        if not self._window_submit(prompt, max(1, min(self.max_len - len(prompt) - B - 2, 3 * B)), rid):
             return
         track = self.session.tracks[rid]
         for _ in range(4 * blocks):  # into decode: its first blocks left every window
@@ -57,7 +57,7 @@ class Windows(MachineBase):
             if track.done or self._window_freed(prompt):
                 break
             filler = self.new_id()
-            if not self._window_submit(self._window_tokens(rng, 2 * B + 1, avoid=prompt[0]), 1, filler):
+            if not self._window_submit(self._window_tokens(rng, B + 1, avoid=prompt[0]), 1, filler):
                 break
             for _ in range(8):  # the filler runs to its end beside the decoding request
                 if self.session.tracks[filler].done:

@@ -155,7 +155,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     status, failure = outcome.status, outcome.failure
     # A hang is not replayed: each replay would wait out the timeout again
     # (the repro keeps the example's operations as they ran).
-    if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT) \
+    if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT,
+                                                    FailureKind.NONDETERMINISTIC) \
             and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
         minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
     met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)

@@ -75,7 +75,7 @@ def window_eagle_drop_after_finder(factory):
 
     def _reconcile(self, prompt, kv_len, blocks, keys):
         m = ReferenceCache._reconcile(self, prompt, kv_len, blocks, keys)
-        if not (self.windows and self.spec.drop_block and m.length > self.B):
+        if not (self.windows and self.spec.tokens and self.spec.drop_block and m.length > self.B):
             return m
         p = m.length - self.B  # ... but after it, on what it found
         slot = self.states.lookup(tuple(prompt[:p]))

@@ -131,7 +131,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               "after verification",
               frozenset({"spec", "continue", "step"}),
               ("window_drafts_rejected_across_edge", "drafts_rejected_all", "prefix_hits"),
-              num_kv_blocks=48, num_state_slots=12, max_seq_blocks=8, max_active=2, max_new_tokens=8, spec=True,
+              num_kv_blocks=56, num_state_slots=12, max_seq_blocks=8, max_active=2, max_new_tokens=12, spec=True,
               model="window-hybrid"),
 )
 

@@ -104,7 +104,7 @@ def test_speculative_mutants_run_the_spec_family_only():
     from conformance.cli.cmd_mutants import planned_checks
     from fault_injection.catalog import get_mutant
 
-    assert planned_checks(get_mutant("spec-read-column-zero"), "quick") == ["spec-decode"]
+    assert planned_checks(get_mutant("spec-read-column-zero"), "quick") == ["spec-decode", "window-spec"]
     assert "spec-decode" in planned_checks(get_mutant("late-snapshot"), "quick")
 
 

@@ -154,6 +154,11 @@ def test_every_block_a_window_layer_reads_is_held():
     freed = {**held, 5: 0}
     [problem] = check_tables_referenced(CacheView(kv_refcounts=freed), plan, 4, (6, 11))[:1]
     assert "KV block 5 (window group 0)" in problem
+    # window 11 at 12 reads [2, 12): block index 0 is read, and may not be null
+    short = StepPlan((RequestStep("r", 12, 14, (0, 1, 2, 3), 0, RESUME,
+                                  window_tables=((NULL_BLOCK, 5, 6, 7), (NULL_BLOCK, 5, 6, 7))),))
+    [problem] = check_tables_referenced(CacheView(kv_refcounts=held), short, 4, (6, 11))
+    assert "null entry (window group 1)" in problem
 
 
 def test_two_requests_contending_for_a_page_through_different_groups():

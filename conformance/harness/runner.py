@@ -143,8 +143,8 @@ class Runner:
         if bad:
             raise ContractError(f"{rs.request_id}: snapshot positions {bad} outside ({rs.start}, {rs.end}]")
         tables = self.window_tables(rs)
-        reads = self._init_state(rs, seq)
         misreads = self._misreads(tables, seq, rs.start)
+        reads = self._init_state(rs, seq, misreads)
         if self.dry:  # validated as a read would be, then provenance only
             if self.model.config.num_attn_layers:
                 for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
@@ -170,7 +170,7 @@ class Runner:
             mem.write_state(slot, res.captured[pos], seq[:pos])
         return Executed(rs, res.logits, reads, loaded, window_misreads=misreads)
 
-    def _init_state(self, rs: RequestStep, seq: Prefix) -> str:
+    def _init_state(self, rs: RequestStep, seq: Prefix, misreads: tuple[str, ...] = ()) -> str:
         """The running slot's starting state (fresh, resumed or copied), and
         what the step reads, in words."""
         mem = self.memory
@@ -187,8 +187,7 @@ class Runner:
         words = (f"state slot {rs.state_slot}: conv {_describe(conv_p, wanted)}, matrix {_describe(ssm_p, wanted)}; "
                  f"KV [0, {rs.start}): " + ("ok" if bad_kv is None else f"wrong from position {bad_kv}"))
         if mem.windows:
-            bad = self._misreads(self.window_tables(rs), seq, rs.start)
-            words += "; windows: " + ("ok" if not bad else "; ".join(bad))
+            words += "; windows: " + ("ok" if not misreads else "; ".join(misreads))
         return words
 
     # -- speculative decoding: a verification step ------------------------------------
@@ -226,8 +225,8 @@ class Runner:
             raise ContractError(f"{rs.request_id}: snapshot positions {bad} outside ({rs.start}, {last}]")
         full = seq + tuple(rs.drafts)
         tables = self.window_tables(rs)
-        reads = self._init_state(rs, seq)
         misreads = self._misreads(tables, seq, rs.start)
+        reads = self._init_state(rs, seq, misreads)
         columns = {rs.end + i: slot for i, slot in enumerate(slots)} if rs.draft_slots else {last: rs.state_slot}
         now = tuple((p, slot) for p, slot in rs.snapshots if p <= rs.end)
         later = tuple((p, slot) for p, slot in rs.snapshots if p > rs.end)

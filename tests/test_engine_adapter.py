@@ -238,6 +238,52 @@ def test_impossible_hit_is_a_contract_failure():
     assert res.status == "failed" and res.failure.kind == "contract"
 
 
+class SpeculativeFake(FakeEngine):
+    """The fake engine with speculative decoding: drafts verified from token ``first_draft`` on, every
+    ``every`` tokens; ``diverge_at``: its tokens leave the no-speculation run's there."""
+
+    def __init__(self, first_draft=4, every=3, diverge_at=None):
+        super().__init__(prefix_caching=False)
+        self.first_draft, self.every, self.diverge_at = first_draft, every, diverge_at
+
+    def generate(self, prompts, max_tokens):
+        outs = []
+        for o in super().generate(prompts, max_tokens):
+            toks, lps = list(o.tokens), list(o.logprobs)
+            if self.diverge_at is not None:  # another token, a nat less likely: not a near-tie
+                toks[self.diverge_at] = 3 + (toks[self.diverge_at] - 2) % (VOCAB - 3)
+                lps[self.diverge_at] -= 1.0
+            drafts = tuple((i, 2) for i in range(self.first_draft, max_tokens, self.every))
+            outs.append(EngineOutput(tuple(toks), tuple(lps), 0, drafts))
+        return outs
+
+
+def _judge_spec(engine):
+    from conformance.engine.workloads import speculative
+
+    tr = run_workload("engine-spec:fake", "spec", CachedEngine(engine), speculative(random.Random(0), B, VOCAB, Size()))
+    off = CacheOffReference(FakeEngine(prefix_caching=False))
+    off.engine.start()
+    return judge(tr, Variant("fake"), B, off, None, calibrate("float32", True, 0.0, 1.0, 0.0, 1.0, 20), {})
+
+
+def test_speculative_run_is_judged_against_the_no_speculation_run():
+    """Issue 38: the spec family compares each speculative run with the no-speculation run of the same
+    prompts (the cache-off engine has no speculative decoding), and says whether any draft came before
+    the first divergence: one before any draft is the engine's speculative path, never noise."""
+    res = _judge_spec(SpeculativeFake())
+    assert res.status == "passed", res.failure
+    assert res.coverage["verified_drafts"] > 0 and res.coverage["compared_cache_off"] == res.coverage["requests"]
+    early = _judge_spec(SpeculativeFake(diverge_at=2)).failure
+    assert early.kind == "logits" and "vs no-speculation run: token 2: speculative run chose" in early.message
+    assert early.message.endswith("no draft verified before it (first draft at token 4)"), early.message
+    late = _judge_spec(SpeculativeFake(diverge_at=10)).failure
+    assert late.kind == "logits" and "drafts verified before it (first at token 4)" in late.message
+    # A speculative engine that never verified a draft compared nothing speculative.
+    none = _judge_spec(SpeculativeFake(first_draft=10_000)).failure
+    assert none.kind == "coverage" and "verified_drafts stayed at 0" in none.message
+
+
 def test_no_hits_is_a_coverage_failure():
     res = _judge("repeats", FakeEngine(prefix_caching=False))
     assert res.status == "failed" and res.failure.kind == "coverage"
@@ -350,8 +396,8 @@ def test_check_selection_runs_a_whole_variant_for_reference_agreement():
     from conformance.engine import planned_checks, select_checks
 
     vs = select_checks(planned_checks("full"), ["engine-reference-agreement:qwen3next-tiny-sharp"])
-    # every family of the variant: the workload families plus the P/D family (issue 13)
-    assert [(v.key, len(v.families)) for v in vs] == [("qwen3next-tiny-sharp", len(FAMILIES) + 1)]
+    # every family of the variant: the workload families plus the P/D family (issue 13) and spec (issue 38)
+    assert [(v.key, len(v.families)) for v in vs] == [("qwen3next-tiny-sharp", len(FAMILIES) + 2)]
     vs = select_checks(planned_checks("full"), ["engine-repeats:qwen3next-tiny"])
     assert [(v.key, v.families) for v in vs] == [("qwen3next-tiny", ("repeats",))]
     with pytest.raises(ValueError, match="not planned"):

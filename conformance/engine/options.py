@@ -42,6 +42,8 @@ class EngineOptions:
     enforce_eager: bool | None = None
     enable_chunked_prefill: bool | None = None
     prefix_caching: bool = True  # the P/D pair's; the single engines set it per role (cached / cache-off)
+    # vLLM's speculative_config for the engine under test (the spec family sets it; the references never have it)
+    speculative_config: Mapping[str, Any] | None = None
     # -- planted faults (the suite's self-check): fault for the cached engine, pd_fault for the P/D pair
     fault: str | None = None
     pd_fault: str | None = None

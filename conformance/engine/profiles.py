@@ -3,12 +3,14 @@ configurations (variants), with which workload families and sizes."""
 
 from __future__ import annotations
 
-from conformance.engine.workloads import FAMILIES, Size
+from conformance.engine.workloads import FAMILIES, SPEC_FAMILY, Size
 
 IMPLEMENTATION = "vllm-engine"
 ALL = tuple(FAMILIES)
 # "pd" (prefill/decode over vLLM's NixlConnector, pd_checks.py) runs on two engines of its own
-# and needs nixl beside vLLM, so it is listed per variant, not in ALL.
+# and needs nixl beside vLLM, so it is listed per variant, not in ALL; so is "spec" (speculative
+# decoding against the no-speculation run, on an engine of its own; once per model: its references
+# are the variant's, so it adds one engine start).
 
 # Why these models: Qwen3Next must run in bf16 on CPU (GDN kernel).  Its
 # default-init fixture is quiet (bf16 noise ~0.004 nats) but blind: zeroing
@@ -24,15 +26,15 @@ PROFILES: dict[str, dict] = {
                            flood_factor=1.5, max_blocks=3),
               # The patched Granite run keeps a Mamba2 family whose cache really
               # hits in the quick profile too (the unpatched one only crashes).
-              "variants": [("qwen3next-tiny-sharp", "", ALL + ("pd",), {}),
-                           ("granite-hybrid-tiny-sharp", "", ("mid-block",), {}),
+              "variants": [("qwen3next-tiny-sharp", "", ALL + ("pd", SPEC_FAMILY), {}),
+                           ("granite-hybrid-tiny-sharp", "", ("mid-block", SPEC_FAMILY), {}),
                            ("granite-hybrid-tiny-sharp", "ckpt-workaround", ("mid-block", "pd"),
                             {"mamba2_checkpoint_workaround": True})]},
     "full": {"size": Size(ks=(1, 2, 3), conversations=3, turns=4, repeats=4, groups=4, group_size=4,
                           flood_factor=2.0, max_blocks=4),
-             "variants": [("qwen3next-tiny-sharp", "", ALL + ("pd",), {}),
+             "variants": [("qwen3next-tiny-sharp", "", ALL + ("pd", SPEC_FAMILY), {}),
                           ("qwen3next-tiny", "", ALL, {}),
-                          ("granite-hybrid-tiny-sharp", "", ("mid-block",), {}),
+                          ("granite-hybrid-tiny-sharp", "", ("mid-block", SPEC_FAMILY), {}),
                           ("granite-hybrid-tiny-sharp", "ckpt-workaround", ALL + ("pd",),
                            {"mamba2_checkpoint_workaround": True}),
                           # Heterogeneous block sizes: vLLM's NixlConnector needs the decode

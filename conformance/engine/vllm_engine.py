@@ -30,7 +30,8 @@ CALL_TIMEOUT = 180.0  # a tiny model answers in seconds; a dead engine core hang
 # The settings a single engine's worker reads (vllm_host.VllmHost).
 WORKER_KEYS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
                "block_size", "mamba_ssm_cache_dtype", "mamba_cache_mode", "gpu_memory_utilization",
-               "enforce_eager", "mamba2_checkpoint_workaround", "enable_chunked_prefill", "fault")
+               "enforce_eager", "mamba2_checkpoint_workaround", "enable_chunked_prefill", "fault",
+               "speculative_config")
 
 
 def engine_env(options: EngineOptions) -> dict:
@@ -99,7 +100,8 @@ class VllmEngine:
         self.calls += 1
         ans = self.worker.call({"cmd": "generate", "prompts": [list(p) for p in prompts], "max_tokens": max_tokens},
                                timeout=CALL_TIMEOUT)
-        return [EngineOutput(tuple(o["tokens"]), tuple(o["logprobs"]), o["cached"]) for o in ans["outputs"]]
+        return [EngineOutput(tuple(o["tokens"]), tuple(o["logprobs"]), o["cached"],
+                             tuple(tuple(d) for d in o.get("drafts", ()))) for o in ans["outputs"]]
 
     def restart(self) -> None:
         self.close()

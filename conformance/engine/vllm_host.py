@@ -80,6 +80,8 @@ class VllmHost:
                     "gpu_memory_utilization", "kv_cache_memory_bytes", "enable_chunked_prefill"):
             if options.get(key) is not None:
                 kwargs[key] = options[key]
+        if options.get("speculative_config"):
+            kwargs["speculative_config"] = dict(options["speculative_config"])
         # In-process only (not JSON): e.g. the P/D host's KVTransferConfig (see pd_worker.py).
         kwargs.update(options.get("llm_extra") or {})
         self.llm = LLM(**kwargs)
@@ -91,6 +93,39 @@ class VllmHost:
                      "mamba_ssm_cache_dtype": str(getattr(cc, "mamba_ssm_cache_dtype", "")),
                      "engine_kwargs": {k: (v if k != "kv_transfer_config" else str(v)) for k, v in kwargs.items()
                                        if k != "model"}}
+        # Which drafts each request had verified, step by step (the spec family judges a divergence from
+        # the no-speculation run by whether any draft came before it): {engine request id: [[tokens
+        # generated before the step, real drafts in it], ...]}.
+        self.drafts: dict[str, list[list[int]]] | None = None
+        if kwargs.get("speculative_config"):
+            self._record_drafts()
+
+    def _record_drafts(self) -> None:
+        """Wrap the engine core's ``Scheduler.schedule`` (in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0) to
+        note, per request, each step's drafts (``scheduled_spec_decode_tokens``; -1 pads a waiting request)."""
+        sched = self.llm.llm_engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+        orig = sched.schedule
+        log: dict[str, list[list[int]]] = {}
+        self.drafts = log
+
+        def schedule(*args, **kwargs):
+            so = orig(*args, **kwargs)
+            for rid, drafts in so.scheduled_spec_decode_tokens.items():
+                req = sched.requests.get(rid)
+                real = sum(1 for t in drafts if t >= 0)
+                if req is not None and real:
+                    log.setdefault(rid, []).append([len(req.output_token_ids), real])
+            return so
+
+        sched.schedule = schedule
+
+    def _drafts_of(self, request_id: str) -> list[list[int]]:
+        """A request's draft log (the engine core's id is the caller's plus a suffix, "<id>-<uuid>")."""
+        assert self.drafts is not None
+        found = [v for k, v in self.drafts.items() if k == request_id or k.startswith(request_id + "-")]
+        for k in [k for k in self.drafts if k == request_id or k.startswith(request_id + "-")]:
+            del self.drafts[k]
+        return [step for steps in found for step in steps]
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[dict]:
         from vllm import SamplingParams
@@ -106,4 +141,6 @@ class VllmHost:
             # logprobs=0 asks for the chosen token's: every position has a dict (a None would raise here)
             lps = [float(d[t].logprob) for t, d in zip(toks, c.logprobs or [])]  # type: ignore[index]
             res.append({"tokens": toks, "logprobs": lps, "cached": int(o.num_cached_tokens or 0)})
+            if self.drafts is not None:
+                res[-1]["drafts"] = self._drafts_of(str(o.request_id))
         return res

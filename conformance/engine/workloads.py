@@ -139,5 +139,24 @@ def eviction(rng: random.Random, B: int, vocab: int, size: Size, pool_tokens: in
           [Req(f"flood{len(flood) - 1} replay", flood[-1], size.max_tokens, shared=len(flood[-1]))]
 
 
+def speculative(rng: random.Random, B: int, vocab: int, size: Size) -> Workload:
+    """For the spec family (an engine with speculative decoding, judged against
+    the no-speculation run of the same prompts): prompts that repeat a short
+    pattern (so that ngram finds drafts in them) and two that do not, each
+    generating long enough for drafts to be proposed and verified; then the very
+    same round again (an engine that depends on what earlier requests left in
+    its state memory answers it otherwise).  Six distinct prompts, so that the
+    tolerance's calibration sees two batch compositions (batches of 3 against
+    one of 6; with 3 prompts both would be one batch and the noise read 0)."""
+    patterns = [_toks(rng, vocab, n) for n in (3, 4, 5, 7)]
+    prompts = [(p * (4 * B // len(p) + 4))[: 3 * len(p) + 2] for p in patterns]
+    prompts += [_toks(rng, vocab, n) for n in (17, 24)]
+    for r in range(2):
+        yield [Req(f"p{i} round{r}", p, size.long_max_tokens) for i, p in enumerate(prompts)]
+
+
 FAMILIES = {"mid-block": mid_block, "multi-turn": multi_turn, "repeats": repeats, "concurrent": concurrent,
             "eviction": eviction}
+# Families that run on an engine of their own and are listed per variant, not in every profile's ALL:
+# "pd" (conformance/engine/pd_checks.py) and "spec" (speculative decoding, :func:`speculative`).
+SPEC_FAMILY = "spec"

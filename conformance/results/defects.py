@@ -12,9 +12,21 @@ that stay for what is not a defect (coverage limits)::
     kind = "invariant"           # or a list of kinds
     message = "is registered as the state after \\\\d+ tokens but its (conv|matrix) state"
     status = "open"              # or "fixed in 0.34.0"
-    upstream = "not reported"    # or ["vllm#12345"]
+    upstream = "not reported"    # or references, each a table (or a bare "vllm#12345", state unconfirmed):
+    # upstream = [{ ref = "vllm#52773", kind = "issue", state = "open", relation = "reports", note = "regime 2" }]
+    searched = "2026-12-03: vLLM's issues and PRs for ..."   # what was searched, where none reports it
     repro = "../defects/vllm-0.33.0/subblock-registration.json"
     when = { sub_block = true, layer = "mamba2" }
+
+``upstream`` says what vLLM's tracker holds about the defect, each reference with
+its kind (issue, pr, rfc), its state as last checked (open, closed, merged; or
+"unconfirmed" where it could not be checked) and its relation: ``reports`` (an
+upstream report of this defect), ``design`` (upstream says the behaviour is
+intended), ``fix`` (a change that would fix it), ``origin`` (the change that
+brought the code), ``related`` / ``adjacent`` (the same code or capability, not
+this symptom).  The defect counts as reported upstream only with a ``reports``
+or ``design`` reference; ``hybrid-conformance defects`` shows the status, and
+``defects --report ID`` prints an issue body for an unreported one.
 
 A failure is this defect when its kind is one of ``kind``, every problem its
 message names is explained (``message`` searched in it; a message that joins
@@ -44,6 +56,11 @@ from conformance.results.records import FAILURE_KINDS
 ID = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 CATEGORIES = ("defect", "limitation")
 NOT_REPORTED = "not reported"
+# An upstream reference (results/defects.py's module docstring says what each value means).
+UPSTREAM_KINDS = ("issue", "pr", "rfc")
+UPSTREAM_STATES = ("open", "closed", "merged", "unconfirmed")
+UPSTREAM_RELATIONS = ("reports", "design", "fix", "origin", "related", "adjacent")
+_REF = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?#\d+$")
 # Condition operators; any other table is compared for equality (an option whose value is a table).
 OPERATORS = ("not", "in", "below", "above", "present")
 _FIXED = re.compile(r"^fixed in (\S+)$")
@@ -83,6 +100,24 @@ def _number(x) -> bool:
 
 
 @dataclass(frozen=True)
+class UpstreamRef:
+    ref: str  # "vllm#52773" (a GitHub repository short name or owner/name, '#', a number)
+    kind: str = "issue"
+    state: str = "unconfirmed"
+    relation: str = "reports"
+    note: str = ""
+
+    def describe(self) -> str:
+        kind = {"pr": "PR", "rfc": "RFC"}.get(self.kind, self.kind)
+        state = "state unconfirmed" if self.state == "unconfirmed" else self.state
+        return f"{self.ref} ({kind}, {state}{'; ' + self.note if self.note else ''})"
+
+    def to_dict(self) -> dict:
+        return {"ref": self.ref, "kind": self.kind, "state": self.state, "relation": self.relation,
+                **({"note": self.note} if self.note else {})}
+
+
+@dataclass(frozen=True)
 class Defect:
     id: str
     title: str
@@ -92,9 +127,10 @@ class Defect:
     conditions: tuple[Condition, ...]
     status: str  # "open" | "fixed"
     fixed_in: str | None = None
-    upstream: tuple[str, ...] = ()  # empty: not reported
+    upstream: tuple[UpstreamRef, ...] = ()  # empty: nothing upstream
     repro: Path | None = None
     reason: str = ""
+    searched: str = ""  # where no reference reports it: what was searched, and when
     pattern: re.Pattern = field(default=re.compile(""), compare=False, repr=False)
 
     @property
@@ -107,8 +143,28 @@ class Defect:
     def explains(self, kind: str, part: str, facts: dict) -> bool:
         return kind in self.kinds and self.pattern.search(part) is not None and self.applies(facts)
 
+    @property
+    def reported(self) -> bool:
+        """Upstream knows: a report of it, or a statement that it is intended."""
+        return any(u.relation in ("reports", "design") for u in self.upstream)
+
+    def upstream_status(self) -> str:
+        """One phrase: reported (and where, in what state), by design, or not reported."""
+        reports = [u for u in self.upstream if u.relation == "reports"]
+        design = [u for u in self.upstream if u.relation == "design"]
+        if reports:
+            return "reported: " + ", ".join(f"{u.ref} {u.state}" for u in reports)
+        if design:
+            return "intended upstream: " + ", ".join(f"{u.ref} {u.state}" for u in design)
+        return NOT_REPORTED
+
     def upstream_text(self) -> str:
-        return " ".join(self.upstream) if self.upstream else NOT_REPORTED
+        """The status and every reference (what triage and ``defects`` print)."""
+        if not self.upstream:
+            return NOT_REPORTED
+        others = [u for u in self.upstream if u.relation not in ("reports", "design")]
+        rest = "; ".join(f"{u.relation} {u.ref} {u.state}" for u in others)
+        return self.upstream_status() + (f" ({rest})" if rest else "")
 
     def signature(self) -> str:
         when = ", ".join(c.describe() for c in self.conditions) or "any configuration"
@@ -118,7 +174,8 @@ class Defect:
         return {"id": self.id, "title": self.title, "category": self.category, "kinds": list(self.kinds),
                 "message": self.message, "when": [c.describe() for c in self.conditions],
                 "status": self.status if self.is_open else f"fixed in {self.fixed_in}",
-                "upstream": list(self.upstream) or NOT_REPORTED,
+                "upstream": [u.to_dict() for u in self.upstream] or NOT_REPORTED,
+                "upstream_status": self.upstream_status(),
                 "repro": str(self.repro) if self.repro else None}
 
 
@@ -224,7 +281,7 @@ def parse_defect(path: Path | None, did: str, entry, version: str) -> Defect:
         raise _bad(path, where, "a defect id is a lowercase slug (letters, digits, '-', '.')")
     if not isinstance(entry, dict):
         raise _bad(path, where, "must be a table")
-    known = {"title", "category", "kind", "message", "when", "status", "upstream", "repro", "reason"}
+    known = {"title", "category", "kind", "message", "when", "status", "upstream", "searched", "repro", "reason"}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise _bad(path, f"{where}.{unknown[0]}", f"unknown field (known: {', '.join(sorted(known))})")
@@ -254,16 +311,10 @@ def parse_defect(path: Path | None, did: str, entry, version: str) -> Defect:
     fixed = _FIXED.match(status) if isinstance(status, str) else None
     if status != "open" and fixed is None:
         raise _bad(path, f"{where}.status", f'must be "open" or "fixed in <version>" (got {status!r})')
-    upstream = entry.get("upstream")
-    if upstream == NOT_REPORTED:
-        refs: tuple[str, ...] = ()
-    elif isinstance(upstream, str) and upstream.strip():
-        refs = (upstream,)
-    elif isinstance(upstream, list) and upstream and all(isinstance(u, str) and u for u in upstream):
-        refs = tuple(upstream)
-    else:
-        raise _bad(path, f"{where}.upstream", f'must be "{NOT_REPORTED}" or a list of references such as '
-                                              f'["vllm#12345"] (got {upstream!r})')
+    refs = parse_upstream(path, where, entry.get("upstream"))
+    searched = entry.get("searched", "")
+    if not isinstance(searched, str):
+        raise _bad(path, f"{where}.searched", "must be a string (what was searched upstream, and when)")
     repro = entry.get("repro")
     repro_path = None
     if repro is not None:
@@ -278,10 +329,47 @@ def parse_defect(path: Path | None, did: str, entry, version: str) -> Defect:
         raise _bad(path, f"{where}.reason", "must be a string")
     defect = Defect(did, title.strip(), category, tuple(kinds), message, conditions,
                     "open" if status == "open" else "fixed", fixed.group(1) if fixed else None, refs,
-                    repro_path, reason, pattern)
+                    repro_path, reason, searched, pattern)
     if repro_path is not None:
         _check_pinned(path, where, defect, version)
     return defect
+
+
+def parse_upstream(path, where: str, upstream) -> tuple[UpstreamRef, ...]:
+    """``"not reported"``, or a list of references: tables (ref, kind, state,
+    relation, note) or bare "repo#N" strings (an issue that reports it, its
+    state unconfirmed)."""
+    if upstream == NOT_REPORTED:
+        return ()
+    if isinstance(upstream, (str, dict)):
+        upstream = [upstream]
+    if not isinstance(upstream, list) or not upstream:
+        raise _bad(path, f"{where}.upstream", f'must be "{NOT_REPORTED}" or a list of references such as '
+                                              f'["vllm#12345"] (got {upstream!r})')
+    refs = []
+    for i, u in enumerate(upstream):
+        at = f"{where}.upstream[{i}]"
+        if isinstance(u, str):
+            u = {"ref": u}
+        if not isinstance(u, dict):
+            raise _bad(path, at, f'a reference is "repo#N" or a table {{ ref, kind, state, relation, note }} '
+                                 f"(got {u!r})")
+        unknown = sorted(set(u) - {"ref", "kind", "state", "relation", "note"})
+        if unknown:
+            raise _bad(path, f"{at}.{unknown[0]}", "unknown field (known: kind, note, ref, relation, state)")
+        ref = u.get("ref")
+        if not isinstance(ref, str) or not _REF.match(ref.strip()):
+            raise _bad(path, f"{at}.ref", f'must be a reference such as "vllm#12345" (got {ref!r})')
+        for key, allowed, default in (("kind", UPSTREAM_KINDS, "issue"), ("state", UPSTREAM_STATES, "unconfirmed"),
+                                      ("relation", UPSTREAM_RELATIONS, "reports")):
+            if u.get(key, default) not in allowed:
+                raise _bad(path, f"{at}.{key}", f"must be one of {', '.join(allowed)} (got {u.get(key)!r})")
+        note = u.get("note", "")
+        if not isinstance(note, str):
+            raise _bad(path, f"{at}.note", "must be a string")
+        refs.append(UpstreamRef(ref.strip(), u.get("kind", "issue"), u.get("state", "unconfirmed"),
+                                u.get("relation", "reports"), note))
+    return tuple(refs)
 
 
 def _check_pinned(path, where: str, defect: Defect, version: str) -> None:

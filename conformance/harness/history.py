@@ -64,7 +64,9 @@ class Planned:
              "state_slot": r.state_slot, "state_init": r.state_init.kind, "state_source": r.state_init.source,
              "snapshots": [list(s) for s in r.snapshots],
              # speculative decoding, only on a step that verifies drafts
-             **({"drafts": list(r.drafts), "draft_slots": list(r.draft_slots)} if r.drafts else {})}
+             **({"drafts": list(r.drafts), "draft_slots": list(r.draft_slots)} if r.drafts else {}),
+             # sliding windows, only on a step that gives window tables
+             **({"window_tables": [list(t) for t in r.window_tables]} if r.window_tables else {})}
             for r in p.requests],
             "kv_copies": [list(c) for c in p.kv_copies], "state_copies": [list(c) for c in p.state_copies],
             # host-tier traffic, only when there is some (most plans have none)
@@ -327,4 +329,4 @@ def transfer_to_dict(t: Transfer | DisaggTransfer) -> dict:
     if isinstance(t, DisaggTransfer):
         return {"id": t.id, "request_id": t.request_id, "op": t.op, "chunks": len(t.chunks), "bytes": t.nbytes}
     return {"id": t.id, "direction": t.direction, "kind": t.kind, "key": t.key, "device": t.device,
-            "request_id": t.request_id}
+            "request_id": t.request_id, **({"window_group": t.window_group} if t.window_group is not None else {})}

@@ -225,7 +225,8 @@ class Stepping:
             self.speculator.validate(rs, track)
         self._in_range(plan)
         problems = plan_conflicts(plan, self.layout.block_size, {rs.request_id: self.tracks[rs.request_id].tokens
-                                                                 for rs in plan.requests})
+                                                                 for rs in plan.requests},
+                                  self.runner.memory.windows)
         if problems:  # memory two requests of the step contend for (conformance/harness/conflicts.py)
             more = f" (+{len(problems) - 2} more)" if len(problems) > 2 else ""
             raise ConformanceFailure("contract", "; ".join(problems[:2]) + more)

@@ -7,6 +7,7 @@
 - :mod:`~conformance.judge.coverage`: the situations a run reached;
 - :mod:`~conformance.judge.retention`: a declared retention policy and its hit rate;
 - :mod:`~conformance.judge.spec_decode`: speculative decoding (only the accepted prefix is reusable);
+- :mod:`~conformance.judge.windows`: what sliding-window layers read, and the window histories reached;
 - :mod:`~conformance.judge.metrics`: cache metrics (measured, never failing).
 
 :func:`standard_checkers` composes them in the one place that decides the order.
@@ -36,9 +37,12 @@ def standard_checkers(families: tuple[str, ...] = ()) -> list[Checker]:
     from conformance.judge.reach_coverage import ReachCoverage
     from conformance.judge.retention import RetentionChecker
     from conformance.judge.spec_decode import AcceptedPrefixOnly, SpecCoverage
+    from conformance.judge.windows import WindowCoverage, WindowReadsHeld
 
+    # (the window checkers do nothing for a model without window layers)
     return [CoverageCounter(), HardHistoryCoverage(), MemoryHistoryCoverage(), SpecCoverage(), ReachCoverage(),
-            TablesReferenced(), LogitsMatchReference(), ViewMatchesMemory(), AcceptedPrefixOnly(), PlanViewListings(),
+            WindowCoverage(), TablesReferenced(), WindowReadsHeld(), LogitsMatchReference(), ViewMatchesMemory(),
+            AcceptedPrefixOnly(), PlanViewListings(),
             PoolProbeServed(),
             *(ExpectedHit() if family == "expected-hit" else RetentionChecker(family) for family in families)]
 

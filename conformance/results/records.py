@@ -73,9 +73,15 @@ class CheckResult:
     # states it (optional ``engine_config()``; vLLM: the pool, the max_model_len
     # its start-up check accepts, the release and build); empty when not stated.
     engine_config: dict = field(default_factory=dict)
+    # The model the check ran on when it names its own (CheckSpec.model: the
+    # window family's), as ModelConfig.to_dict(); empty: the run's model.
+    model: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not d["model"]:  # a check on the run's model writes what it wrote before
+            del d["model"]
+        return d
 
 
 # -- the verdict: one value behind every door ----------------------------------------------------

@@ -306,7 +306,7 @@ def repro_document(result: RunResult, check: CheckResult, impl_config: dict) -> 
         "check": check.id,
         "family": check.family,
         "impl_config": impl_config,
-        "model": result.model,
+        "model": check.model or result.model,  # the check's own model (the window family's), or the run's
         "mutant": result.mutant,
         "faults": result.fault_names,
         "failure": {"kind": failure.kind, "message": failure.message},

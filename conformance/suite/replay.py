@@ -243,7 +243,8 @@ def witness(repro: Repro, outcome: ReplayOutcome) -> str:
                     lines.append(f"    plan    {r['request_id']}{on} [{r['start']}, {r['end']}) "
                                  f"blocks={r['block_table']} slot={r['state_slot']} init={r['state_init']}"
                                  + (f"<-{r['state_source']}" if r.get('state_source') is not None else "")
-                                 + (f" snapshots={r['snapshots']}" if r.get('snapshots') else ""))
+                                 + (f" snapshots={r['snapshots']}" if r.get('snapshots') else "")
+                                 + (f" windows={r['window_tables']}" if r.get('window_tables') else ""))
                 if ev.get("kv_copies") or ev.get("state_copies"):
                     lines.append(f"    copies  kv={ev.get('kv_copies')} state={ev.get('state_copies')}")
             elif ev.get("event") == "verdict":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import note
@@ -54,6 +55,8 @@ class MachineBase(RuleBasedStateMachine):
         self.model = model or TinyHybrid(ModelConfig())
         self.oracle = oracle or Oracle(self.model)
         self.impl_config = impl_config or self.spec.impl_config()
+        if self.model.config.window_groups and not self.impl_config.windows:  # the cache is told its windows
+            self.impl_config = replace(self.impl_config, windows=self.model.config.window_groups)
         self.timeout = timeout
         self.recorder = recorder or Recorder()
         # Called with each new session: more checkers (metrics), environment faults.
@@ -165,12 +168,17 @@ class MachineBase(RuleBasedStateMachine):
         return zlib.crc32(repr(self.ops).encode()) % PROBE_EVERY == 0
 
     def fits(self, length: int, max_new: int) -> bool:
-        """Keep concurrency within the layout so a correct cache never stalls."""
+        """Keep concurrency within the layout so a correct cache never stalls
+        (``ceil((prompt + new) / B) + 1`` blocks a request, for the full
+        layers and again for each window group)."""
         B, cfg = self.B, self.impl_config
         active = [self.session.tracks[r] for r in self.session.active()]
         if len(active) >= self.spec.max_active or length + max_new > self.max_len:
             return False
         need = sum(blocks_for(t.prompt_len, t.max_new, B) for t in active) + blocks_for(length, max_new, B)
+        # sliding windows: each window group may hold as many blocks again (a prefill chunk
+        # allocates its window layers' blocks for every position it computes, as vLLM does)
+        need *= 1 + len(self.model.config.window_groups)
         # speculative decoding: a state slot per draft a request may verify, besides its two
         declared = self.session.speculator.declared
         slots = slots_for(declared.max_drafts if declared is not None else 0)
@@ -179,8 +187,8 @@ class MachineBase(RuleBasedStateMachine):
     def longest_alone(self, max_new: int = 1) -> int:
         """The longest prompt :meth:`fits` admits with nothing else active
         (the pool, not the check, bounds the junk that displaces entries)."""
-        B = self.B
-        return max(0, min(self.max_len - max_new, (self.impl_config.num_kv_blocks - 1) * B - max_new))
+        B, groups = self.B, 1 + len(self.model.config.window_groups)
+        return max(0, min(self.max_len - max_new, (self.impl_config.num_kv_blocks // groups - 1) * B - max_new))
 
     def new_id(self) -> str:
         self.next_id += 1

@@ -148,6 +148,38 @@ def fix_sub_block_boundary_stop(adapter):
     return adapter
 
 
+def kda_checkpoint_unaligned(adapter):
+    """SNAP: vllm#53212 reverted.  The Mamba manager of the group the harness's recurrent layers live
+    in (KDA's, FlashKDA alignment 16) decides to allocate an internal prefill checkpoint block without
+    the chunk's start: ``_needs_internal_checkpoint`` no longer enforces the start-alignment invariant
+    (``is_mamba_prefill_checkpoint_valid`` on the query start, v1/core/single_type_kv_cache_manager.py:
+    1659-1690), so a checkpoint whose offset into the chunk FlashKDA cannot export (not a multiple of
+    16) gets a block and a prefix-cache hash although the worker never writes it
+    (``compute_mamba_prefill_checkpoints`` declines it, layers/mamba/checkpoint.py:21-63).  In 0.33 a
+    scheduler that uses KDA's own alignment stops such a chunk at the block boundary first, so the
+    path is reached where the scheduler's alignment is another Mamba group's (the first one's,
+    scheduler.py:435-443): the run sets ``layer=mamba2+kda``."""
+    _check(adapter)
+    from vllm.utils.math_utils import cdiv
+
+    manager = adapter.scheduler.kv_cache_manager.coordinator.single_type_managers[adapter.runner.groups.mamba]
+
+    def needs_internal_checkpoint(request_id, query_start, query_end, checkpoint_position, prefill_end):
+        # Before the fix the manager had no query start (#53212: "Pass total_computed_tokens through
+        # KV-cache allocation so _needs_internal_checkpoint can enforce the same start-alignment
+        # invariant as scheduling"): it checked the checkpoint against the chunk's end alone.
+        idx = cdiv(query_end, manager.block_size) - 2
+        blocks = manager.req_to_blocks[request_id]
+        return (manager.has_prefill_checkpoint_blocks and query_end >= prefill_end
+                and 0 < checkpoint_position < query_end and idx >= 0
+                and (idx >= len(blocks) or blocks[idx].is_null
+                     or (request_id in manager._allocated_block_reqs
+                         and idx >= len(blocks) - manager.num_speculative_blocks)))
+
+    manager._needs_internal_checkpoint = needs_internal_checkpoint  # instance attribute only
+    return adapter
+
+
 VLLM_MUTANTS: dict[str, Callable] = {
     "vllm-state-wrong-position": state_wrong_position,
     "vllm-groups-not-reconciled": groups_not_reconciled,
@@ -155,6 +187,7 @@ VLLM_MUTANTS: dict[str, Callable] = {
     "vllm-sub-block-copy-dropped": sub_block_copy_dropped,
     "vllm-sub-block-hit-one-token-long": sub_block_hit_one_token_long,
     "vllm-fix-sub-block-boundary-stop": fix_sub_block_boundary_stop,
+    "vllm-kda-checkpoint-unaligned": kda_checkpoint_unaligned,
 }
 
 
@@ -170,7 +203,8 @@ VLLM_MUTANTS: dict[str, Callable] = {
 OPTIONS: dict[str, dict] = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1, "layer": "gdn"},
            "vllm-sub-block-copy-dropped": {"prefix_match_unit": 1},
            "vllm-sub-block-hit-one-token-long": {"prefix_match_unit": 1},
-           "vllm-fix-sub-block-boundary-stop": {"prefix_match_unit": 1}}
+           "vllm-fix-sub-block-boundary-stop": {"prefix_match_unit": 1},
+           "vllm-kda-checkpoint-unaligned": {"layer": "mamba2+kda"}}
 FIXES = {"vllm-fix-sub-block-boundary-stop": "subblock-registration"}
 
 for _name, _apply in VLLM_MUTANTS.items():

@@ -127,10 +127,29 @@ def prefill_checkpoint_fields(layer: str) -> dict:
       ``QwenGatedDeltaNetAttention.get_kv_cache_spec``
       (layers/mamba/gdn/qwen_gdn_linear_attn.py:739-760), which adds checkpoint
       blocks only with the FlashInfer prefill backend (CUDA SM90 and up,
-      :688-696); 0.30.0-0.32.0 have no override."""
+      :688-696); 0.30.0-0.32.0 have no override.
+    - ``kda``: ``KimiK3DeltaAttention.get_kv_cache_spec`` with the FlashKDA prefill
+      backend: one checkpoint block at ``kda_prefill_checkpoint_alignment("flashkda")``
+      = 16 (0.33.0: models/kimi_k3/nvidia/kda.py:901-909, layers/mamba/kda_checkpoint.py:9-10;
+      0.30.0 :805 and 0.31.0 :747, per the note above)."""
     if layer == "mamba2" and since("0.32.0"):
         return {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+    if layer == "kda":
+        return {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": kda_checkpoint_alignment()}
     return {}
+
+
+def kda_checkpoint_alignment() -> int:
+    """FlashKDA's checkpoint alignment, from the installed release's own helper
+    where it has one (0.33.0: layers/mamba/kda_checkpoint.py), else the 16 its
+    kda.py writes in place."""
+    try:
+        from vllm.model_executor.layers.mamba.kda_checkpoint import kda_prefill_checkpoint_alignment
+    except ImportError:
+        return 16
+    alignment = kda_prefill_checkpoint_alignment("flashkda")
+    assert alignment is not None
+    return alignment
 
 
 # -- where a prompt's state is kept ---------------------------------------------------------------

@@ -20,6 +20,18 @@ numbers below are vllm 0.33.0's:
   prefill at the prompt's checkpoint and the worker exports that state from
   inside the step (``layer="mamba2"``, the default here).  0.30.0 and 0.31.0
   keep the base spec (:func:`.compat.prefill_checkpoint_fields`).
+- ``KimiK3DeltaAttention.get_kv_cache_spec`` (models/kimi_k3/nvidia/kda.py:901-909,
+  ``layer="kda"``): the GDN base spec (``mamba_type`` GDN_ATTN, inherited) with
+  one prefill checkpoint block at alignment 16 when the prefill backend is
+  FlashKDA (``kda_prefill_checkpoint_alignment``, layers/mamba/kda_checkpoint.py:9-10;
+  FlashKDA is what ``resolve_kda_prefill_backend`` picks on CUDA SM90+, kda.py:486-526),
+  state shapes from ``MambaStateShapeCalculator.kda_state_shape`` (one conv state
+  over q, k and v, equal thirds, which the forward splits, kda.py:1197; a
+  ``(heads, d, d)`` recurrent state) and dtypes from ``kda_state_dtype``: the
+  recurrent state float32 when ``mamba_ssm_cache_dtype`` is "auto" (mamba_utils.py:133-149).
+  KDA does not override ``get_prefill_checkpoint_alignment``, so the block size is
+  not rounded to 16 (platforms/interface.py:1090-1094): with this model's block
+  of 8 a checkpoint 8 tokens after a chunk's start is one FlashKDA cannot export.
 - ``QwenGatedDeltaNetAttention.get_kv_cache_spec``
   (layers/mamba/gdn/qwen_gdn_linear_attn.py:739-760, 0.33.0 only) adds them only
   with the FlashInfer prefill backend (CUDA SM90/SM100, lines 688-696); on a
@@ -50,7 +62,15 @@ from conformance.adapters.vllm.tiny_model import MAX_MODEL_LEN_CEILING, model_co
 from conformance.contract import ImplConfig
 
 ADMISSIONS = ("second-hit", "always")
-LAYERS = ("mamba2", "gdn")
+# Two Mamba groups beside attention: MambaMixer2's and KDA's, in that order or the other.  vLLM's scheduler
+# takes the prefill checkpoint alignment of the first Mamba group only ("TODO: Support models with multiple
+# Mamba specs that require different prefill checkpoint alignments", v1/core/sched/scheduler.py:435-443).
+# The harness's recurrent layers are the KDA group's; the MambaMixer2 group is scheduled, allocated and
+# reconciled by vLLM as in a real model, but its memory is not the harness's (the contract has one state
+# slot per request): see :class:`Groups`.
+MIXED_LAYERS = {"mamba2+kda": ("mamba2", "kda"), "kda+mamba2": ("kda", "mamba2")}
+JUDGED_IN_MIXED = "kda"
+LAYERS = ("mamba2", "gdn", "kda", *MIXED_LAYERS)
 # String forms of the ``connector`` option (short enough for a check id:
 # ``tier-reuse[connector=divergent]``).
 CONNECTOR_FORMS = {"async": {}, "divergent": {"divergent": True}, "sync": {"async": False},
@@ -87,8 +107,11 @@ class VllmOptions:
       the store connector over the harness's host tier (see :mod:`.connector`); the
       strings ``"async"``, ``"divergent"``, ``"sync"``, ``"divergent-sync"`` name the same.
     - ``layer``: whose ``get_kv_cache_spec`` the Mamba group follows: ``"mamba2"``
-      (``MambaMixer2``: one prefill checkpoint block, alignment 1) or ``"gdn"``
-      (Gated DeltaNet as it runs on a CPU or with Triton: none).
+      (``MambaMixer2``: one prefill checkpoint block, alignment 1), ``"gdn"``
+      (Gated DeltaNet as it runs on a CPU or with Triton: none), ``"kda"``
+      (Kimi-K3's KDA under FlashKDA's prefill: one checkpoint block, alignment 16), or two
+      Mamba groups, ``"mamba2+kda"`` / ``"kda+mamba2"`` (the first is the scheduler's
+      first Mamba group; the harness's recurrent layers are KDA's, :data:`MIXED_LAYERS`).
     - ``spec_tokens``: speculative decoding with k drafts per step (0: off;
       :mod:`.speculative`), by ``spec_method`` (``"eagle"``, ``"mtp"``,
       ``"ngram"``); ``spec_lookahead_hashes`` false sets
@@ -191,6 +214,10 @@ def mamba_state_shapes(layer: str) -> tuple[tuple[int, ...], ...]:
     """The state shapes the layer's ``get_state_shape`` gives the tiny model,
     by vLLM's own calculator (layers/mamba/mamba_utils.py)."""
     t, calc = TINY, _shape_calculator()
+    if layer == "kda":
+        # KimiK3DeltaAttention.get_state_shape (models/kimi_k3/nvidia/kda.py:582-590): heads
+        # of head_dim d for q, k and v alike (num_k_heads, head_k_dim default to them).
+        return tuple(calc.kda_state_shape(1, t["rec_heads"], t["rec_key_dim"], conv_kernel_size=t["conv_width"]))
     if layer == "gdn":
         # QwenGatedDeltaNetAttention.get_state_shape (qwen_gdn_linear_attn.py:545-556)
         return tuple(calc.gated_delta_net_state_shape(1, t["rec_heads"], t["rec_heads"], t["rec_key_dim"],
@@ -204,6 +231,20 @@ def mamba_state_shapes(layer: str) -> tuple[tuple[int, ...], ...]:
 _DTYPE_BYTES = 4  # float32 for both groups: only the ratio of the two pages matters
 
 
+def mamba_state_dtypes(layer: str) -> tuple:
+    """The state dtypes of the layer for the adapter's float32 model.  KDA's
+    come from vLLM's own ``kda_state_dtype`` (the conv state in the model's
+    dtype, the recurrent state float32 on "auto", mamba_utils.py:133-149); the
+    others are float32 for both states here too."""
+    import torch
+
+    if layer == "kda":
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+        return tuple(MambaStateDtypeCalculator.kda_state_dtype(torch.float32, "auto", "auto"))
+    return (torch.float32,) * len(mamba_state_shapes(layer))
+
+
 def attention_page_per_token() -> int:
     """``FullAttentionSpec(block_size=1, ...).page_size_bytes``: K and V."""
     return 2 * TINY["attn_kv_heads"] * TINY["head_dim"] * _DTYPE_BYTES
@@ -212,12 +253,12 @@ def attention_page_per_token() -> int:
 def mamba_page(layer: str) -> int:
     """``MambaSpec.page_size_bytes`` before padding (kv_cache_interface.py:1118-1126)."""
     total = 0
-    for shape in mamba_state_shapes(layer):
-        n = 1
+    for shape, dtype in zip(mamba_state_shapes(layer), mamba_state_dtypes(layer)):
+        n = dtype.itemsize
         for d in shape:
             n *= d
         total += n
-    return total * _DTYPE_BYTES
+    return total
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -237,7 +278,9 @@ def hybrid_block_size(requested: int, layer: str = "mamba2", kernel_block: int =
     - block_size = max(block_size, attn_block_size) (:1090-1096); mamba_block_size = block_size (:1098-1099).
     """
     align = max(kernel_block, requested)
-    attn_block = align * _cdiv(mamba_page(layer), align * attention_page_per_token())
+    # Two Mamba layouts: the largest page, as for Qwen4Exp's (platforms/interface.py:1050-1056).
+    page = max(mamba_page(part) for part in MIXED_LAYERS.get(layer, (layer,)))
+    attn_block = align * _cdiv(page, align * attention_page_per_token())
     return max(requested, attn_block)
 
 
@@ -275,41 +318,81 @@ def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
     return vc
 
 
-ATTN_GROUP, MAMBA_GROUP = 0, 1
+ATTN_GROUP, MAMBA_GROUP = 0, 1  # the groups of one attention and one Mamba layer (Groups.plain)
 
 
-def mamba_spec(opts: VllmOptions):
+@dataclass(frozen=True)
+class Groups:
+    """Which KV cache group plays which part for the harness.
+
+    ``attn``: the full-attention group (the harness's attention layers); ``mamba``: the Mamba group
+    whose state the harness's recurrent layers hold (its block ids are state slots); ``shadow``: Mamba
+    groups vLLM schedules, allocates and reconciles whose memory the harness does not model (the
+    contract has one state slot per request)."""
+
+    attn: int = ATTN_GROUP
+    mamba: int = MAMBA_GROUP
+    shadow: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, kv_cache_config) -> Groups:
+        names = [g.layer_names for g in kv_cache_config.kv_cache_groups]
+        judged = next(i for i, layers in enumerate(names) if _judged_layer(layers))
+        shadow = tuple(i for i, layers in enumerate(names) if i != judged and not layers[0].startswith("attn"))
+        attn = next(i for i, layers in enumerate(names) if layers[0].startswith("attn"))
+        return cls(attn, judged, shadow)
+
+
+def _judged_layer(layers: list[str]) -> bool:
+    return layers[0] in ("mamba.0", f"{JUDGED_IN_MIXED}.0")
+
+
+def mamba_spec(opts: VllmOptions, layer: str | None = None):
     """The Mamba group's spec as the layer builds it (see the module docstring)."""
-    import torch
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    shapes = mamba_state_shapes(opts.layer)
+    layer = layer or opts.layer
+    shapes = mamba_state_shapes(layer)
     # _align_hybrid_block_size pads the Mamba page to the attention page
     # (interface.py:1102-1120); MambaBase passes it on as page_size_padded.
     attn_page = opts.block_size * attention_page_per_token()
-    padded = attn_page if attn_page != mamba_page(opts.layer) else None
-    kind = MambaAttentionBackendEnum.GDN_ATTN if opts.layer == "gdn" else MambaAttentionBackendEnum.MAMBA2
+    padded = attn_page if attn_page != mamba_page(layer) else None
+    # KimiK3DeltaAttention keeps GatedDeltaNetAttention's mamba_type (gdn/base.py:50-51).
+    kind = MambaAttentionBackendEnum.GDN_ATTN if layer in ("gdn", "kda") else MambaAttentionBackendEnum.MAMBA2
     # MambaBase.get_kv_cache_spec (abstract.py ~72-91): num_speculative_blocks =
     # vllm_config.num_speculative_tokens, for every speculative method.
-    spec = MambaSpec(block_size=opts.block_size, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
+    spec = MambaSpec(block_size=opts.block_size, shapes=shapes, dtypes=mamba_state_dtypes(layer),
                      page_size_padded=padded, mamba_type=kind, mamba_cache_mode="align",
                      num_speculative_blocks=opts.spec_tokens)
     # The layer's own override, in this release (MambaMixer2 from 0.32.0; GDN off FlashInfer: none).
-    return replace(spec, **compat.prefill_checkpoint_fields(opts.layer))
+    return replace(spec, **compat.prefill_checkpoint_fields(layer))
+
+
+def layer_specs(opts: VllmOptions) -> dict:
+    """Layer name -> spec, in the order vLLM groups them (``get_kv_cache_groups`` keeps the order
+    of first appearance, kv_cache_planning.py:416-557): the attention layer, then the Mamba layer(s).
+    One Mamba layout: ``mamba.0``; two: ``<layer>.0`` each, the first the scheduler's first Mamba group."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    specs: dict = {"attn.0": FullAttentionSpec(block_size=opts.block_size, num_kv_heads=TINY["attn_kv_heads"],
+                                               head_size=TINY["head_dim"], dtype=torch.float32)}
+    if opts.layer in MIXED_LAYERS:
+        for part in MIXED_LAYERS[opts.layer]:
+            specs[f"{part}.0"] = mamba_spec(opts, part)
+    else:
+        specs["mamba.0"] = mamba_spec(opts)
+    return specs
 
 
 def build_kv_cache_config(opts: VllmOptions):
-    """One shared pool of ``num_blocks``; group 0 full attention, group 1 Mamba."""
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    """One shared pool of ``num_blocks``: one group per layer of :func:`layer_specs` (one layer each,
+    as ``_get_kv_cache_groups_uniform_page_size`` groups a model with one layer of each spec;
+    tests/test_vllm_kda.py checks this against vLLM's own grouping)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    bs = opts.block_size
     return KVCacheConfig(
         num_blocks=opts.num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["attn.0"], FullAttentionSpec(block_size=bs, num_kv_heads=TINY["attn_kv_heads"],
-                                                            head_size=TINY["head_dim"], dtype=torch.float32)),
-            KVCacheGroupSpec(["mamba.0"], mamba_spec(opts)),
-        ],
+        kv_cache_groups=[KVCacheGroupSpec([name], spec) for name, spec in layer_specs(opts).items()],
         prefix_cache_retention_interval=opts.retention_interval)

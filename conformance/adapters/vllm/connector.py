@@ -49,7 +49,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
 from conformance.contract import Transfer, TransferDone
 
 CONNECTOR_NAME = "HarnessStoreConnector"
@@ -188,7 +187,9 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _loads(self, load: Load) -> list[Transfer]:
         rid, B = load.request_id, self.block_size
         tokens = self.adapter.requests[rid].all_token_ids
-        attn, mamba = load.block_ids[ATTN_GROUP], load.block_ids[MAMBA_GROUP]
+        # The harness's groups (.config.Groups): a shadow Mamba group's blocks hold no harness memory.
+        groups = self.adapter.runner.groups
+        attn, mamba = load.block_ids[groups.attn], load.block_ids[groups.mamba]
         wanted: list[tuple[Literal["kv", "state"], int, int]] = [
             ("kv", (i + 1) * B, attn[i]) for i in range(load.begin // B, load.end // B)]
         wanted.append(("state", load.end, mamba[(load.end - 1) // B]))

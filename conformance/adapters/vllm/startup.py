@@ -47,7 +47,10 @@ class Startup:
             spec = g.kv_cache_spec
             pages = -(-spec.max_memory_usage_bytes(self.vllm_config) // spec.page_size_bytes)
             per_request[type(spec).__name__] = pages
-        mamba = groups[-1].kv_cache_spec
+        from conformance.adapters.vllm.config import Groups
+
+        roles = Groups.of(self.kv_cache_config)
+        mamba = groups[roles.mamba].kv_cache_spec
         return {"engine": compat.installed().build, "version": compat.installed().version,
                 "num_blocks": self.kv_cache_config.num_blocks, "usable_blocks": self.kv_cache_config.num_blocks - 1,
                 "block_size": self.opts.block_size, "hash_block_size": self.opts.prefix_match_unit,
@@ -56,7 +59,14 @@ class Startup:
                 "blocks_per_max_len_request": per_request, "kv_cache_layout": self.layout,
                 "mamba_cache_mode": self.vllm_config.cache_config.mamba_cache_mode,
                 "prefill_checkpoint_blocks": mamba.num_prefill_checkpoint_blocks,
+                "prefill_checkpoint_alignment": mamba.prefill_checkpoint_alignment,
+                "mamba_groups": [type(g.kv_cache_spec).__name__ + f"({g.layer_names[0]})" for g in groups
+                                 if _is_mamba(g)],
                 "retention_interval": self.opts.retention_interval}
+
+
+def _is_mamba(group) -> bool:
+    return not group.layer_names[0].startswith("attn")
 
 
 def _specs(kv_cache_config) -> dict:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import conformance.adapters.vllm.compat as compat
-from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
+from conformance.adapters.vllm.config import Groups
 from conformance.contract import FRESH, RESUME, RequestStep, StepPlan, copy_from
 
 
@@ -58,13 +58,17 @@ class RunnerState:
     verifying: dict[str, tuple[int, int]] = field(default_factory=dict)
     drop_eagle_block: bool = False  # MambaPrefillCheckpointBuilder.drop_eagle_block
     num_hash_lookahead_tokens: int = 0
+    # Which group's table is the attention layers' and which the recurrent layers' (a shadow Mamba
+    # group's table is vLLM's worker's business only: the harness holds no memory of it).
+    groups: Groups = field(default_factory=Groups)
 
     @classmethod
     def for_config(cls, vllm_config, kv_cache_config) -> RunnerState:
         """A runner in lockstep with the scheduler built from these configs: the
         worker's prefill checkpoint rules read the hash sizes the engine
         resolved (``MambaPrefillCheckpointBuilder.build``) and the Mamba spec."""
-        spec = kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec
+        groups = Groups.of(kv_cache_config)
+        spec = kv_cache_config.kv_cache_groups[groups.mamba].kv_cache_spec
         hash_block_size, alignment = compat.checkpoint_hash_sizes(vllm_config.cache_config, spec.block_size)
         return cls(mamba_block_size=spec.block_size, num_spec_blocks=spec.num_speculative_blocks,
                    hash_block_size=hash_block_size, cache_hit_alignment_tokens=alignment,
@@ -72,7 +76,7 @@ class RunnerState:
                    checkpoint_alignment=spec.prefill_checkpoint_alignment,
                    # checkpoint.py MambaPrefillCheckpointBuilder.__init__ (.compat)
                    drop_eagle_block=compat.drops_eagle_block(vllm_config),
-                   num_hash_lookahead_tokens=compat.hash_lookahead_tokens(vllm_config))
+                   num_hash_lookahead_tokens=compat.hash_lookahead_tokens(vllm_config), groups=groups)
 
     def prev_state_idx(self, rid: str, num_computed: int) -> int:
         """The column holding the state at ``num_computed`` (-1: start fresh).
@@ -124,7 +128,7 @@ class RunnerState:
         """``end``: the scheduled tokens' end, drafts included; ``spec`` the
         row's scheduled spec tokens (drafts, or ``-1`` padding)."""
         tables = self.requests[rid].tables
-        mamba = tables[MAMBA_GROUP]
+        mamba = tables[self.groups.mamba]
         prev = self.prev_state_idx(rid, start)
         # preprocess_mamba: the running state lives in the last non-speculative block.
         num_blocks = cdiv(end, self.mamba_block_size) + self.num_spec_blocks
@@ -141,7 +145,7 @@ class RunnerState:
         else:
             init = RESUME
         if not spec:
-            return RequestStep(rid, start, end, tuple(tables[ATTN_GROUP]), mamba[curr], init,
+            return RequestStep(rid, start, end, tuple(tables[self.groups.attn]), mamba[curr], init,
                                snapshots=self._prefill_checkpoint(mamba, start, end))
         # A speculative row: the real token, then the drafts (or padding: a
         # request with one token to compute padded to 1 + k, scheduler.py
@@ -160,7 +164,7 @@ class RunnerState:
             dest = pos // B - 1
             if pos % B == 0 and 0 <= dest < len(mamba) and mamba[dest] != 0 and dest != curr + (pos - real_end):
                 snapshots.append((pos, mamba[dest]))
-        return RequestStep(rid, start, real_end, tuple(tables[ATTN_GROUP]), mamba[curr], init,
+        return RequestStep(rid, start, real_end, tuple(tables[self.groups.attn]), mamba[curr], init,
                            snapshots=tuple(snapshots), drafts=drafts,
                            draft_slots=tuple(slot for _pos, slot in columns[1:]))
 

@@ -16,6 +16,21 @@ One engine step, seen from the implementation:
 3. ``update(plan, result)`` tells the implementation which tokens were sampled;
    it returns the requests that finished (and frees them).
 
+Sliding-window layers (optional, :data:`NULL_BLOCK`): a model may hold
+window layers (``ImplConfig.windows``: the window of each window group, the
+layers of one window forming one group, as vLLM's coordinator groups the
+layers of one ``SlidingWindowSpec``).  A window layer at position q reads
+only the KV of positions [q - W + 1, q].  Each window group has a block table
+of its own (``RequestStep.window_tables[g]``, indexed like ``block_table``:
+entry i for positions [i*B, (i+1)*B)); an entry whose positions the step
+neither reads nor writes is never looked at: it may be :data:`NULL_BLOCK`
+(vLLM's null block), a block freed and reused since, anything.  A block id
+names one page of the one KV pool, shared by every group (vLLM's hybrid
+allocator): writing block b for one group overwrites what b held for
+another.  A step without ``window_tables`` reads and writes its window layers
+through ``block_table``, as an engine with one group for every attention
+layer does (vLLM without the hybrid allocator): correct, never freed early.
+
 Later extensions (a second storage tier, a prefill and a decode worker with
 their own memory, speculative decoding) add optional fields with defaults:
 ``RequestStep.worker``, ``StepPlan.transfers``, ``RequestStep.drafts`` and
@@ -68,6 +83,13 @@ class ImplConfig:
     num_kv_blocks: int = 64
     num_state_slots: int = 32
     options: dict = field(default_factory=dict)  # policy knobs, e.g. {"interval": 8}
+    # The model's window groups: the window W of each (a layer of group g at
+    # position q reads [q - W + 1, q]); empty for a model without window layers.
+    windows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.windows, list):  # from a repro file
+            object.__setattr__(self, "windows", tuple(self.windows))
 
 
 @dataclass(frozen=True)
@@ -140,6 +162,17 @@ class RequestStep:
     # extended in place through every draft, and the implementation restores what
     # it rejected itself (a snapshot at ``end``, then recomputing from there).
     draft_slots: tuple[int, ...] = ()
+    # Sliding-window layers: one block table per window group (ImplConfig.windows),
+    # read like ``block_table`` for the positions a window layer reads: a step
+    # [start, end) of group g (window W) reads [max(0, start - W + 1), start) and
+    # writes [start, end) (through its drafts).  Entries for blocks wholly before
+    # what it reads may be NULL_BLOCK.  Empty: the window layers use ``block_table``.
+    window_tables: tuple[tuple[int, ...], ...] = ()
+
+
+#: A block table entry that names no block: a window group's block that left
+#: the window (vLLM's null block).  Reading a position through it is a contract error.
+NULL_BLOCK = -1
 
 
 @dataclass(frozen=True)
@@ -159,6 +192,8 @@ class Transfer:
     key: str
     device: int  # KV block (kind "kv") or state slot (kind "state")
     request_id: str | None = None  # the request a load is for (faults can target it)
+    # kind "kv": the window group whose layers' KV the page holds (None: the full attention layers')
+    window_group: int | None = None
 
     def __post_init__(self) -> None:
         if self.direction not in ("offload", "load") or self.kind not in ("kv", "state"):
@@ -211,6 +246,10 @@ class CachedKV:
 
     block: int
     tokens: tuple[int, ...]
+    # The window group whose layers' KV the block holds (None: the full
+    # attention layers').  A window group's block is listed while it holds its
+    # positions' KV, whether or not it left a request's window.
+    window_group: int | None = None
 
 
 @dataclass(frozen=True)

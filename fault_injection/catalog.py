@@ -15,12 +15,13 @@ from fault_injection import (
     tier_mutants,
     vllm_mutants,
     vllm_pd_mutants,
+    window_mutants,
 )
 from fault_injection.registry import MUTANTS, Mutant
 
 # imported for their registrations (disagg_mutants: target "reference-disagg", the disagg family's)
 _MODULES = (reference_mutants, retention_mutants, disagg_mutants, tier_mutants, spec_mutants, vllm_mutants,
-            vllm_pd_mutants, sglang_mutants)
+            vllm_pd_mutants, sglang_mutants, window_mutants)
 
 
 def all_mutants() -> dict[str, Mutant]:

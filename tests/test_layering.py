@@ -23,7 +23,9 @@ LAYERS = (
     ("conformance.judge",),
     ("conformance.generate",),
     ("fault_injection", "conformance.results"),
-    ("conformance.suite", "conformance.analysis", "conformance.engine"),
+    # Whole engines (the engine level): the suite prepares and executes their runs as it does the cache level's.
+    ("conformance.engine",),
+    ("conformance.suite", "conformance.analysis"),
     ("conformance.cli", "conformance.pytest_plugin", "conformance.testing"),
     ("conformance.__main__", "conformance"),  # entry points
 )

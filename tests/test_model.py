@@ -95,7 +95,7 @@ def test_float32_paths_agree_within_float32_tolerance():
 
 
 def test_bad_pattern_is_rejected():
-    with pytest.raises(ValueError, match="R and A"):
+    with pytest.raises(ValueError, match="R, A and W"):
         ModelConfig(pattern="RRX")
     with pytest.raises(ValueError, match="hybrid"):
         ModelConfig(pattern="RRR")

@@ -61,11 +61,21 @@ CAUGHT_BY = {
     "resume-from-hit-after-short-chunk": "mid-block-hits",
     "state-hit-over-kv": "kv-scarce",
     "tier-offload-after-overwrite": "tier-reuse",
+    # sliding windows (issue 35): a model without window layers never meets them
+    "window-free-in-flight": "window-reuse",
+    "window-hit-smallest-window": "window-reuse",
+    "window-finish-inserts-freed": "window-reuse",
+    "window-unfinished-publishes-released": "window-reuse",
+    "window-eagle-drop-after-finder": "window-spec",
 }
 # Mutants whose history cannot be shorter than 8 operations, each with why.
 LONG_REPROS: dict[str, tuple[int, str]] = {
     "evict-running-entry": (24, "its history needs about a pool's worth of allocations while a request decodes, and "
                                 "the reference prefills a block a step: one operation per step"),
+    "window-unfinished-publishes-released": (24, "its history: a prompt past every window prefills and decodes "
+                                                 "while distinct prompts run beside it, one at a time, until one "
+                                                 "takes a block it let go; then its next step publishes it (14-18 "
+                                                 "operations at seeds 0-3)"),
     "state-hit-over-kv": (16, "its history: the prompt runs and is hit, one-block prompts follow one at a time until "
                               "its KV goes before a deeper state of it, then the prompt again, a submit and a drain "
                               "each (11 operations at seed 0, 10-13 over seeds 0-9)"),

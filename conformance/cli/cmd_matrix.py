@@ -35,12 +35,19 @@ def row_verdict(row: dict, directory: Path | None = None) -> tuple[bool, str]:
     if row.get("interrupted"):
         how = f"crashed ({row['crashed']})" if row.get("crashed") else "interrupted"
         return False, f"{label}: {how} (its results are incomplete)"
-    if not bad and not nothing:
-        return True, f"{label}: passed"
     impl = row.get("impl_spec") or row.get("implementation") or ""
     expectations = None if row.get("mutant") else find_expectations(impl, row.get("implementation_version") or "",
                                                                      directory or EXPECTATIONS_DIR,
                                                                      build=row.get("implementation_build") or "")
+    # The run's verdict, judged as `run` judges it (conformance.results.verdict): a run killed, still running,
+    # or with planned checks that never ran is incomplete, never green, whatever its checks say.
+    from conformance.results.verdict import judge_run
+
+    verdict = judge_run({**row, "expectations": {"path": str(expectations)} if expectations else None})
+    if verdict.incomplete and not nothing:
+        return False, f"{label}: incomplete ({'; '.join(verdict.incomplete)})"
+    if not bad and not nothing:
+        return True, f"{label}: passed"
     if expectations is not None and not nothing:
         _, as_expected = format_expectations(row, expectations)
         if as_expected:

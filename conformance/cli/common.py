@@ -13,16 +13,10 @@ __all__ = ["parse_options"]  # re-exported: the subcommands import it from here
 
 
 def engine_check_ids() -> set[str]:
-    """Every engine-level check id any engine profile plans (an expectations
-    entry for another ``engine-*`` id is a typo)."""
-    from conformance.engine import ALL, PROFILES
+    """Every engine-level check id any engine profile plans (conformance.suite.engine_level)."""
+    from conformance.suite.engine_level import engine_check_ids as ids
 
-    ids = set()
-    for profile in PROFILES.values():
-        for model, variant, families, _options in profile["variants"]:
-            key = model + (f"+{variant}" if variant else "")
-            ids |= {f"engine-{f}:{key}" for f in (*families, *ALL, "reference-agreement")}
-    return ids
+    return ids()
 
 
 def load_expectations_for_cli(path):
@@ -116,6 +110,10 @@ class Progress:
             for met in r.known_defects:
                 if r.failure is None or met["defect"] != r.failure.defect:
                     self._line(f"      known defect {met['defect']} met in {met['count']} example(s), explored past")
+        elif event == "worker-died":  # --workers: the process running a check died (suite/parallel.py)
+            self._line(f"    {info['check']}: NOT RUN: its worker process died ({info['how']})")
+        elif event == "engine":  # an engine-level run's own progress line
+            self._line(f"  {info['message']}")
         elif event == "defect-replays":
             self._line(f"replaying the pinned repros of {info['total']} open known defect(s) ...")
         elif event == "defect-replays-done":

@@ -40,6 +40,7 @@ from conformance.generate.rules.speculative import Speculative
 from conformance.generate.rules.steps import Steps
 from conformance.generate.rules.targeted import Targeted
 from conformance.generate.rules.transfers import Transfers
+from conformance.generate.rules.windows import Windows
 from conformance.generate.settings import hypothesis_settings, stable_draws
 from conformance.generate.spec import CheckSpec, mixed
 from conformance.model import ModelConfig, TinyHybrid
@@ -56,6 +57,7 @@ OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
     (Transfers, frozenset({"transfers"})),
     (Speculative, frozenset({"spec"})),
     (Targeted, frozenset({"evict-running", "abort-copy", "tier-tail", "kv-first"})),
+    (Windows, frozenset({"window-freed"})),
 )
 
 

@@ -43,6 +43,10 @@ class CheckSpec:
     # the harness proposes drafts (rule group "spec"); skipped for an
     # implementation that has none.
     spec: bool = False
+    # The model the check runs on, by name (fixtures/models/<name>.toml), instead
+    # of the run's (the window family's model has sliding-window layers; every
+    # other check keeps the run's model, and its draws).
+    model: str | None = None
 
     @property
     def observers(self) -> tuple[str, ...]:
@@ -53,6 +57,10 @@ class CheckSpec:
     def impl_config(self, **overrides) -> ImplConfig:
         base: dict[str, Any] = {"block_size": self.block_size, "num_kv_blocks": self.num_kv_blocks,
                                 "num_state_slots": self.num_state_slots, "options": dict(self.options)}
+        if self.model is not None:  # the cache is told the model's window groups
+            from conformance.model import ModelConfig
+
+            base["windows"] = ModelConfig.fixture(self.model).window_groups
         base.update({k: v for k, v in overrides.items() if v is not None})
         return ImplConfig(**base)
 

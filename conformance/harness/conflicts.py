@@ -15,7 +15,8 @@ happens to read the bytes):
   slot ends the step holding the running state, not the snapshot);
 - a KV position (block, offset) written by two requests for different
   sequences, or written by one and read by another (a hit on what the step
-  has not computed yet).
+  has not computed yet), through any of their block tables: a block id is one
+  page for every group (the full layers', each window group's).
 
 A step that verifies drafts writes through them: its draft slots (one per
 draft) and the KV positions ``[end, end + len(drafts))``, for the sequence
@@ -48,9 +49,11 @@ def _state_uses(rs: RequestStep) -> tuple[dict[int, str], dict[int, str]]:
     return writes, reads
 
 
-def plan_conflicts(plan: StepPlan, block_size: int, tokens: dict[str, Prefix]) -> list[str]:
+def plan_conflicts(plan: StepPlan, block_size: int, tokens: dict[str, Prefix],
+                   windows: tuple[int, ...] = ()) -> list[str]:
     """The plan's contended memory, as sentences (empty: none).  ``tokens``:
-    each scheduled request's known tokens (for what a KV position is written for)."""
+    each scheduled request's known tokens (for what a KV position is written for);
+    ``windows``: the model's window groups (their tables are read from the window's start)."""
     problems: list[str] = []
     B = block_size
     tokens = {rs.request_id: tuple(tokens[rs.request_id]) + tuple(rs.drafts) for rs in plan.requests}
@@ -72,14 +75,17 @@ def plan_conflicts(plan: StepPlan, block_size: int, tokens: dict[str, Prefix]) -
                 for slot in sorted(writes.keys() & reads.keys()):
                     problems.append(f"state slot {slot} is {writer}'s {writes[slot]} and {reader}'s {reads[slot]} "
                                     f"in one step: what {reader} reads depends on the order the step computes them")
-    # -- KV positions ---------------------------------------------------------------------
-    written_blocks = {rs.request_id: set(rs.block_table[rs.start // B: -(-_reach(rs) // B)]) for rs in plan.requests}
+    # -- KV positions (a block id is one page for every group: conformance/harness/memory.py) --------
+    tables = {rs.request_id: _tables(rs, windows) for rs in plan.requests}
+    written_blocks = {rs.request_id: {b for _, table, _ in tables[rs.request_id]
+                                      for b in table[rs.start // B: -(-_reach(rs) // B)]} for rs in plan.requests}
     for i, first in enumerate(plan.requests):
         for second in plan.requests[i + 1:]:
             for w, r in ((first, second), (second, first)):
-                shared = written_blocks[w.request_id] & set(r.block_table[: -(-_reach(r) // B)])
+                shared = written_blocks[w.request_id] & {b for _, table, lo in tables[r.request_id]
+                                                         for b in table[lo // B: -(-_reach(r) // B)]}
                 if shared:
-                    problems += _kv_conflicts(w, r, shared, B, tokens, report_writes=w is first)
+                    problems += _kv_conflicts(w, r, shared, B, tokens, tables, report_writes=w is first)
     return problems
 
 
@@ -88,25 +94,39 @@ def _reach(rs: RequestStep) -> int:
     return rs.end + len(rs.drafts)
 
 
+def _tables(rs: RequestStep, windows: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], int]]:
+    """(what, table, first position read) of each block table the step uses: the
+    full layers' from 0, each window group's from its window's start (without
+    window tables the window layers use ``block_table``: nothing more)."""
+    out = [("", rs.block_table, 0)]
+    for g, table in enumerate(rs.window_tables if windows else ()):
+        out.append((f" (window group {g})", tuple(table), max(0, rs.start - windows[g] + 1)))
+    return out
+
+
 def _kv_conflicts(w: RequestStep, r: RequestStep, blocks: set[int], B: int, tokens: dict[str, Prefix],
-                  report_writes: bool) -> list[str]:
+                  uses: dict, report_writes: bool) -> list[str]:
     """Positions of ``blocks`` that ``w`` writes and ``r`` reads, or writes
     for another sequence (each pair of writers reported once)."""
     writes = {}
-    for pos in range(w.start, min(_reach(w), len(w.block_table) * B)):  # a short table is the runner's error
-        b = w.block_table[pos // B]
-        if b in blocks:
-            writes[(b, pos % B)] = pos
-    for pos in range(0, min(_reach(r), len(r.block_table) * B)):
-        b = r.block_table[pos // B]
-        at = writes.get((b, pos % B))
-        if at is None:
-            continue
-        if pos < r.start:
-            return [f"KV block {b} offset {pos % B} is written by {w.request_id} (position {at}) and read by "
-                    f"{r.request_id} (position {pos}, part of its reused prefix) in one step: what it reads "
-                    f"depends on the order the step computes them"]
-        if report_writes and tokens[w.request_id][: at + 1] != tokens[r.request_id][: pos + 1]:
-            return [f"KV block {b} offset {pos % B} is written by two requests of one step for different "
-                    f"sequences: {w.request_id} (position {at}) and {r.request_id} (position {pos})"]
+    for what, table, _ in uses[w.request_id]:
+        for pos in range(w.start, min(_reach(w), len(table) * B)):  # a short table is the runner's error
+            b = table[pos // B]
+            if b in blocks:
+                writes[(b, pos % B)] = (pos, what)
+    for r_what, table, lo in uses[r.request_id]:
+        for pos in range(lo, min(_reach(r), len(table) * B)):
+            b = table[pos // B]
+            hit = writes.get((b, pos % B))
+            if hit is None:
+                continue
+            at, w_what = hit
+            if pos < r.start:
+                return [f"KV block {b} offset {pos % B} is written by {w.request_id}{w_what} (position {at}) and read "
+                        f"by {r.request_id}{r_what} (position {pos}, part of its reused prefix) in one step: what it "
+                        f"reads depends on the order the step computes them"]
+            if report_writes and tokens[w.request_id][: at + 1] != tokens[r.request_id][: pos + 1]:
+                return [f"KV block {b} offset {pos % B} is written by two requests of one step for different "
+                        f"sequences: {w.request_id}{w_what} (position {at}) and {r.request_id}{r_what} "
+                        f"(position {pos})"]
     return []

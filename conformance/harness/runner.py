@@ -27,6 +27,10 @@ class Executed:
     # The no-cache oracle's verdict on the logits (the session measures it
     # before the checkers see the step); None: not judged (a dry step).
     verdict: Verdict | None = None
+    # What the step's window layers read that memory does not hold for this
+    # sequence, by provenance, as sentences (empty: every position held);
+    # measured before the step wrote anything.
+    window_misreads: tuple[str, ...] = ()
 
 
 def _describe(prefix: Prefix | None, wanted: Prefix) -> str:
@@ -76,6 +80,58 @@ class Runner:
             out.append(self._run_one(rs, tokens[rs.request_id]))
         return out
 
+    # -- sliding-window layers -------------------------------------------------------
+    def window_tables(self, rs: RequestStep) -> tuple[tuple[int, ...], ...]:
+        """The block table of each window group: the step's own, or (none given)
+        ``block_table`` for every group, as an engine that keeps every attention
+        layer in one group reads them."""
+        groups = self.memory.windows
+        if not groups:
+            if rs.window_tables:
+                raise ContractError(f"{rs.request_id}: {len(rs.window_tables)} window tables, but the model has no "
+                                    f"window layers")
+            return ()
+        if not rs.window_tables:
+            return (rs.block_table,) * len(groups)
+        if len(rs.window_tables) != len(groups):
+            raise ContractError(f"{rs.request_id}: {len(rs.window_tables)} window tables for the model's "
+                                f"{len(groups)} window groups (windows {list(groups)})")
+        return tuple(tuple(t) for t in rs.window_tables)
+
+    def _read_windows(self, tables, start: int) -> list[tuple]:
+        """K and V each window layer reads, in layer order."""
+        mem = self.memory
+        per_group = [iter(mem.read_window(g, table, start)) for g, table in enumerate(tables)]
+        return [next(per_group[g]) for g in mem.layer_groups]
+
+    def _write_windows(self, tables, start: int, new_win, seq: Prefix) -> None:
+        mem = self.memory
+        grouped: list[list] = [[] for _ in tables]
+        for g, kv in zip(mem.layer_groups, new_win):
+            grouped[g].append(kv)
+        for g, table in enumerate(tables):
+            mem.write_window(g, table, start, grouped[g], seq)
+
+    def _misreads(self, tables, seq: Prefix, start: int) -> tuple[str, ...]:
+        return tuple(m for g, table in enumerate(tables) for m in self.memory.window_misreads(g, table, seq, start))
+
+    def _read_full(self, rs: RequestStep) -> list:
+        """The full attention layers' KV of [0, start) (a model without them reads nothing)."""
+        if not self.model.config.num_attn_layers:
+            return []
+        return self.memory.read_kv(rs.block_table, rs.start)
+
+    def _write_full(self, rs: RequestStep, new_kv, seq: Prefix) -> None:
+        if self.model.config.num_attn_layers:
+            self.memory.write_kv(rs.block_table, rs.start, new_kv, seq)
+
+    def _mark(self, rs: RequestStep, tables, end: int, seq: Prefix) -> None:
+        mem = self.memory
+        if self.model.config.num_attn_layers:
+            mem.mark_kv(rs.block_table, rs.start, end, seq)
+        for g, table in enumerate(tables):
+            mem.mark_window(g, table, rs.start, end, seq)
+
     def _run_one(self, rs: RequestStep, seq: Prefix) -> Executed:
         if rs.drafts or rs.draft_slots:
             return self._verify_one(rs, seq)
@@ -86,28 +142,33 @@ class Runner:
         bad = [p for p, _ in rs.snapshots if not rs.start < p <= rs.end]
         if bad:
             raise ContractError(f"{rs.request_id}: snapshot positions {bad} outside ({rs.start}, {rs.end}]")
+        tables = self.window_tables(rs)
         reads = self._init_state(rs, seq)
+        misreads = self._misreads(tables, seq, rs.start)
         if self.dry:  # validated as a read would be, then provenance only
-            for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
-                mem.check_block(b)
-            loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
+            if self.model.config.num_attn_layers:
+                for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
+                    mem.check_block(b)
+            loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot, tables)
             self.transport.computed(rs.request_id, loaded)
-            mem.mark_kv(rs.block_table, rs.start, rs.end, seq)
+            self._mark(rs, tables, rs.end, seq)
             mem.mark_state(rs.state_slot, seq[: rs.end])
             for pos, slot in rs.snapshots:
                 mem.mark_state(slot, seq[:pos])
-            return Executed(rs, None, reads, loaded)
-        past = mem.read_kv(rs.block_table, rs.start)
+            return Executed(rs, None, reads, loaded, window_misreads=misreads)
+        past = self._read_full(rs)
+        past_win = self._read_windows(tables, rs.start)
         states = mem.read_state(rs.state_slot)
-        loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
+        loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot, tables)
         self.transport.computed(rs.request_id, loaded)
         res = self.model.step(seq[rs.start: rs.end], rs.start, past, states,
-                              capture=tuple(p for p, _ in rs.snapshots))
-        mem.write_kv(rs.block_table, rs.start, res.new_kv, seq)
+                              capture=tuple(p for p, _ in rs.snapshots), past_win=past_win)
+        self._write_full(rs, res.new_kv, seq)
+        self._write_windows(tables, rs.start, res.new_win, seq)
         mem.write_state(rs.state_slot, res.states, seq[: rs.end])
         for pos, slot in rs.snapshots:
             mem.write_state(slot, res.captured[pos], seq[:pos])
-        return Executed(rs, res.logits, reads, loaded)
+        return Executed(rs, res.logits, reads, loaded, window_misreads=misreads)
 
     def _init_state(self, rs: RequestStep, seq: Prefix) -> str:
         """The running slot's starting state (fresh, resumed or copied), and
@@ -122,9 +183,13 @@ class Runner:
             mem.copy_state(rs.state_init.source, rs.state_slot, conv="conv" in parts, ssm="ssm" in parts)
         wanted = seq[: rs.start]
         conv_p, ssm_p = mem.state_holds(rs.state_slot)
-        bad_kv = mem.kv_holds(rs.block_table, seq, 0, rs.start)
-        return (f"state slot {rs.state_slot}: conv {_describe(conv_p, wanted)}, matrix {_describe(ssm_p, wanted)}; "
-                f"KV [0, {rs.start}): " + ("ok" if bad_kv is None else f"wrong from position {bad_kv}"))
+        bad_kv = mem.kv_holds(rs.block_table, seq, 0, rs.start) if self.model.config.num_attn_layers else None
+        words = (f"state slot {rs.state_slot}: conv {_describe(conv_p, wanted)}, matrix {_describe(ssm_p, wanted)}; "
+                 f"KV [0, {rs.start}): " + ("ok" if bad_kv is None else f"wrong from position {bad_kv}"))
+        if mem.windows:
+            bad = self._misreads(self.window_tables(rs), seq, rs.start)
+            words += "; windows: " + ("ok" if not bad else "; ".join(bad))
+        return words
 
     # -- speculative decoding: a verification step ------------------------------------
     def _verify_one(self, rs: RequestStep, seq: Prefix) -> Executed:
@@ -160,32 +225,37 @@ class Runner:
         if bad:
             raise ContractError(f"{rs.request_id}: snapshot positions {bad} outside ({rs.start}, {last}]")
         full = seq + tuple(rs.drafts)
+        tables = self.window_tables(rs)
         reads = self._init_state(rs, seq)
+        misreads = self._misreads(tables, seq, rs.start)
         columns = {rs.end + i: slot for i, slot in enumerate(slots)} if rs.draft_slots else {last: rs.state_slot}
         now = tuple((p, slot) for p, slot in rs.snapshots if p <= rs.end)
         later = tuple((p, slot) for p, slot in rs.snapshots if p > rs.end)
         if self.dry:
-            for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
-                mem.check_block(b)
-            loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
+            if self.model.config.num_attn_layers:
+                for b in rs.block_table[: -(-rs.start // mem.layout.block_size)]:
+                    mem.check_block(b)
+            loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot, tables)
             self.transport.computed(rs.request_id, loaded)
-            mem.mark_kv(rs.block_table, rs.start, last, full)
+            self._mark(rs, tables, last, full)
             for pos, slot in (*columns.items(), *now):
                 mem.mark_state(slot, full[:pos])
             self.deferred[rs.request_id] = [(pos, slot, None, full[:pos]) for pos, slot in later]
-            return Executed(rs, None, reads, loaded)
-        past = mem.read_kv(rs.block_table, rs.start)
+            return Executed(rs, None, reads, loaded, window_misreads=misreads)
+        past = self._read_full(rs)
+        past_win = self._read_windows(tables, rs.start)
         states = mem.read_state(rs.state_slot)
-        loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot)
+        loaded = mem.loads_read(rs.block_table, rs.start, rs.state_slot, tables)
         self.transport.computed(rs.request_id, loaded)
         capture = tuple(sorted({*columns, *(p for p, _ in rs.snapshots)} - {last}))
-        res = self.model.step(full[rs.start: last], rs.start, past, states, capture=capture)
-        mem.write_kv(rs.block_table, rs.start, res.new_kv, full)
+        res = self.model.step(full[rs.start: last], rs.start, past, states, capture=capture, past_win=past_win)
+        self._write_full(rs, res.new_kv, full)
+        self._write_windows(tables, rs.start, res.new_win, full)
         for pos, slot in (*columns.items(), *now):
             mem.write_state(slot, res.states if pos == last else res.captured[pos], full[:pos])
         self.deferred[rs.request_id] = [(pos, slot, res.states if pos == last else res.captured[pos], full[:pos])
                                         for pos, slot in later]
-        return Executed(rs, res.logits, reads, loaded)
+        return Executed(rs, res.logits, reads, loaded, window_misreads=misreads)
 
     def commit_snapshots(self, request_id: str, accepted_end: int) -> None:
         """The verifier accepted through ``accepted_end``: the snapshots held

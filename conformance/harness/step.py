@@ -183,6 +183,27 @@ class Stepping:
         ssm = holds(src if "ssm" in init.parts else rs.state_slot)[1]
         return conv == want and ssm == want
 
+    def _in_range(self, plan: StepPlan) -> None:
+        """Every block and slot the plan names is in the pool, said as such
+        before any checker judges the plan (a block id past the pool read as
+        "refcount 0 while in use" when the checkers saw it first)."""
+        mem, B, lay = self.runner.memory, self.layout.block_size, self.layout
+
+        def check(who: str, valid, ids) -> None:
+            try:
+                for i in ids:
+                    valid(i)
+            except ContractError as exc:
+                raise ConformanceFailure("contract", f"{who}{exc}: out of range (the pool has {lay.num_kv_blocks} "
+                                                     f"KV blocks and {lay.num_state_slots} state slots)") from None
+
+        check("a KV copy: ", mem.check_block, [b for pair in plan.kv_copies for b in pair])
+        check("a state copy: ", mem.check_slot, [s for pair in plan.state_copies for s in pair])
+        for rs in plan.requests:
+            check(f"{rs.request_id}: ", mem.check_block, rs.block_table[: -(-rs.end // B)])
+            sources = [rs.state_init.source] if rs.state_init.source is not None else []
+            check(f"{rs.request_id}: ", mem.check_slot, [rs.state_slot, *sources, *(s for _, s in rs.snapshots)])
+
     def _validate(self, plan: StepPlan) -> None:
         seen: set[str] = set()
         for rs in plan.requests:
@@ -200,8 +221,10 @@ class Stepping:
                 raise ConformanceFailure("contract", f"{rs.request_id}: step starts at {rs.start}, but only "
                                                      f"{track.computed} tokens were computed")
             self.speculator.validate(rs, track)
+        self._in_range(plan)
         problems = plan_conflicts(plan, self.layout.block_size, {rs.request_id: self.tracks[rs.request_id].tokens
-                                                                 for rs in plan.requests})
+                                                                 for rs in plan.requests},
+                                  self.runner.memory.windows)
         if problems:  # memory two requests of the step contend for (conformance/harness/conflicts.py)
             more = f" (+{len(problems) - 2} more)" if len(problems) > 2 else ""
             raise ConformanceFailure("contract", "; ".join(problems[:2]) + more)

@@ -191,7 +191,7 @@ class Transport:
         self.executed += 1
         try:
             if t.direction == "offload":
-                payload = self.read(t.kind, t.device)
+                payload = self.read(t.kind, t.device, t.window_group)
                 entry = HostEntry(payload, checksum(payload.tensors))
                 entry.payload = self._fly(t, payload.clone())
                 entry.intact = checksum(entry.payload.tensors) == entry.checksum
@@ -205,10 +205,11 @@ class Transport:
                 found = hook.looked_up(self, t, found)
             if found is None:
                 return TransferDone(t.id, False, error=f"no host entry {t.key!r}")
-            self.write(t.kind, t.device, self._fly(t, found.payload.clone()))
-            origin = self.memory.kv_origin if t.kind == "kv" else self.memory.state_origin
+            self.write(t.kind, t.device, self._fly(t, found.payload.clone()), t.window_group)
+            origin = self.memory.state_origin if t.kind == "state" else \
+                self.memory.kv_origin if t.window_group is None else self.memory.win_origin[t.window_group]
             origin[t.device] = t.id
-            landed = self.read(t.kind, t.device)
+            landed = self.read(t.kind, t.device, t.window_group)
             done = TransferDone(t.id, True, checksum(landed.tensors))
             self.intact[t.id] = done.checksum == found.checksum
             if t.kind == "state" and self.intact[t.id]:  # arrived whole and intact
@@ -255,25 +256,42 @@ class Transport:
             self._pending.setdefault(transfer.id, []).append(Firing(on_consumed))
 
     # -- device side -------------------------------------------------------------------
-    def read(self, kind: str, device: int) -> Payload:
+    def _group(self, group: int | None) -> None:
+        if group is not None and not 0 <= group < len(self.memory.windows):
+            raise ContractError(f"window group {group}: the model has {len(self.memory.windows)} window groups")
+
+    def read(self, kind: str, device: int, group: int | None = None) -> Payload:
+        """A block's KV for the full layers (``group`` None) or a window group's layers; a slot's state."""
         mem = self.memory
         if kind == "kv":
             mem.check_block(device)
-            return Payload("kv", {"kv": mem.kv[:, device].clone()}, {"kv": list(mem.kv_prov[device])})
+            self._group(group)
+            store = mem.kv if group is None else mem.win[group]
+            return Payload("kv", {"kv": store[:, device].clone()}, {"kv": list(mem.prov_rows(group)[device])})
         mem.check_slot(device)
         return Payload("state", {"conv": mem.conv[:, device].clone(), "ssm": mem.ssm[:, device].clone()},
                        {"conv": mem.conv_prov[device], "ssm": mem.ssm_prov[device]})
 
-    def write(self, kind: str, device: int, payload: Payload) -> None:
+    def write(self, kind: str, device: int, payload: Payload, group: int | None = None) -> None:
         """Writes the parts (and, for KV, the leading positions) the payload holds."""
         mem = self.memory
         if kind != payload.kind:
             raise ContractError(f"a {payload.kind} entry cannot be loaded into a {kind} location")
         if kind == "kv":
             mem.check_block(device)
+            self._group(group)
+            store = mem.kv if group is None else mem.win[group]
             n = payload.tensors["kv"].shape[1]
-            mem.kv[:, device, :n] = payload.tensors["kv"]
-            mem.kv_prov[device][:n] = payload.prov["kv"][:n]
+            if store.shape[0] != payload.tensors["kv"].shape[0]:
+                raise ContractError(f"a KV entry of {payload.tensors['kv'].shape[0]} layers cannot be loaded into "
+                                    f"{'the full attention' if group is None else f'window group {group}'}'s "
+                                    f"{store.shape[0]} layers")
+            store[:, device, :n] = payload.tensors["kv"]
+            rows = mem.prov_rows(group)
+            for off in range(n):  # the page's other groups lose what they held there
+                prefix = payload.prov["kv"][off]
+                mem.clobber(group, device, off, 1, prefix or (), len(prefix) - 1 if prefix else 0)
+            rows[device][:n] = payload.prov["kv"][:n]
             return
         mem.check_slot(device)
         for part, store, prov in (("conv", mem.conv, mem.conv_prov), ("ssm", mem.ssm, mem.ssm_prov)):

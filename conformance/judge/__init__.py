@@ -7,6 +7,7 @@
 - :mod:`~conformance.judge.coverage`: the situations a run reached;
 - :mod:`~conformance.judge.retention`: a declared retention policy and its hit rate;
 - :mod:`~conformance.judge.spec_decode`: speculative decoding (only the accepted prefix is reusable);
+- :mod:`~conformance.judge.windows`: what sliding-window layers read, and the window histories reached;
 - :mod:`~conformance.judge.metrics`: cache metrics (measured, never failing).
 
 :func:`standard_checkers` composes them in the one place that decides the order.
@@ -34,9 +35,12 @@ def standard_checkers(families: tuple[str, ...] = ()) -> list[Checker]:
     from conformance.judge.memory_coverage import MemoryHistoryCoverage
     from conformance.judge.retention import RetentionChecker
     from conformance.judge.spec_decode import AcceptedPrefixOnly, SpecCoverage
+    from conformance.judge.windows import WindowCoverage, WindowReadsHeld
 
-    return [CoverageCounter(), HardHistoryCoverage(), MemoryHistoryCoverage(), SpecCoverage(), TablesReferenced(),
-            LogitsMatchReference(), ViewMatchesMemory(), AcceptedPrefixOnly(), PoolProbeServed(),
+    # (the window checkers do nothing for a model without window layers)
+    return [CoverageCounter(), HardHistoryCoverage(), MemoryHistoryCoverage(), SpecCoverage(), WindowCoverage(),
+            TablesReferenced(), WindowReadsHeld(), LogitsMatchReference(), ViewMatchesMemory(), AcceptedPrefixOnly(),
+            PoolProbeServed(),
             *(ExpectedHit() if family == "expected-hit" else RetentionChecker(family) for family in families)]
 
 

@@ -3,7 +3,7 @@ what the harness's memory really holds."""
 
 from __future__ import annotations
 
-from conformance.contract import CacheView, StepPlan
+from conformance.contract import NULL_BLOCK, CacheView, RequestStep, StepPlan
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
 from conformance.harness.memory import Memory
@@ -35,11 +35,18 @@ def check_view(view: CacheView, memory: Memory, idle: bool) -> list[str]:
                 problems.append(f"{name} {ident} leaked: refcount {n} at idle (a refcount counts requests and "
                                 f"pending copies or transfers, never the cache's own retention)")
     for entry in view.cached_kv:
+        group = entry.window_group
+        if group is not None and not 0 <= group < len(memory.windows):
+            problems.append(f"KV block {entry.block} is cached for window group {group}, but the model has "
+                            f"{len(memory.windows)} window groups")
+            continue
+        rows = memory.prov_rows(group)
+        what = "" if group is None else f" (window group {group})"
         first = (len(entry.tokens) - 1) // B * B
         for pos in range(first, len(entry.tokens)):
-            held = memory.kv_prov[entry.block][pos % B] if 0 <= entry.block < lay.num_kv_blocks else None
+            held = rows[entry.block][pos % B] if 0 <= entry.block < lay.num_kv_blocks else None
             if held != entry.tokens[: pos + 1]:
-                problems.append(f"KV block {entry.block} is cached for a {len(entry.tokens)}-token prefix but "
+                problems.append(f"KV block {entry.block}{what} is cached for a {len(entry.tokens)}-token prefix but "
                                 f"position {pos} holds {_what(held, entry.tokens[: pos + 1])}")
                 break
     for state in view.cached_states:
@@ -54,21 +61,42 @@ def check_view(view: CacheView, memory: Memory, idle: bool) -> list[str]:
     return problems
 
 
-def check_tables_referenced(view: CacheView, plan: StepPlan, block_size: int) -> list[str]:
-    """Every block a scheduled request reads or writes must be held (refcount >= 1).
-    With no KV refcounts stated there is nothing to check (the caller notes it)."""
+def used_blocks(rs: RequestStep, block_size: int, windows: tuple[int, ...] = ()) -> list[tuple[str, int]]:
+    """(which table, block) for every block the step reads or writes: its
+    full attention table's through ``end``, and each window group's from the
+    first position the window reads (entries before it are never read: a block
+    that left the window may be freed, or null)."""
+    B = block_size
+    out = [("", b) for b in rs.block_table[: -(-rs.end // B)]]
+    for g, table in enumerate(rs.window_tables if windows else ()):
+        first = max(0, rs.start - windows[g] + 1)
+        out += [(f" (window group {g})", b) for b in table[first // B: -(-rs.end // B)]]
+    return out
+
+
+def check_tables_referenced(view: CacheView, plan: StepPlan, block_size: int,
+                            windows: tuple[int, ...] = ()) -> list[str]:
+    """Every block a scheduled request reads or writes must be held (refcount >= 1):
+    a window block the step still reads included, however far the request's
+    computation is (a block freed on what a step in flight will have computed
+    is read by that step: vllm#47728).  With no KV refcounts stated there is
+    nothing to check (the caller notes it)."""
     if not view.kv_refcounts:
         return []
     problems = []
     for rs in plan.requests:
-        for b in rs.block_table[: -(-rs.end // block_size)]:
-            if view.kv_refcounts.get(b, 0) < 1:
-                problems.append(f"request {rs.request_id} uses KV block {b}, which has refcount "
+        for what, b in used_blocks(rs, block_size, windows):
+            if b == NULL_BLOCK:
+                problems.append(f"request {rs.request_id} reads or writes a position of its window through a null "
+                                f"entry{what}")
+            elif view.kv_refcounts.get(b, 0) < 1:
+                problems.append(f"request {rs.request_id} uses KV block {b}{what}, which has refcount "
                                 f"{view.kv_refcounts.get(b, 0)} (free or evictable while in use)")
     return problems
 
 
-def check_holders_counted(view: CacheView, plan: StepPlan, block_size: int) -> list[str]:
+def check_holders_counted(view: CacheView, plan: StepPlan, block_size: int,
+                          windows: tuple[int, ...] = ()) -> list[str]:
     """A refcount counts its holders: a KV block in the tables of k requests
     scheduled together has refcount >= k.  Counted once for two holders, the
     first to let go frees it (or queues it for eviction) while the other still
@@ -77,7 +105,7 @@ def check_holders_counted(view: CacheView, plan: StepPlan, block_size: int) -> l
         return []
     holders: dict[int, list[str]] = {}
     for rs in plan.requests:
-        for b in dict.fromkeys(rs.block_table[: -(-rs.end // block_size)]):
+        for b in dict.fromkeys(b for _, b in used_blocks(rs, block_size, windows) if b != NULL_BLOCK):
             holders.setdefault(b, []).append(rs.request_id)
     problems = []
     for b, reqs in holders.items():
@@ -118,8 +146,9 @@ class TablesReferenced(Checker):
             return
         if plan.requests and not view.kv_refcounts:
             self.notes.add(NO_KV_REFCOUNTS)  # reduced assurance, reported with the result
-        fail_if("invariant", check_tables_referenced(view, plan, obs.layout.block_size))
-        fail_if("invariant", check_holders_counted(view, plan, obs.layout.block_size))
+        windows = obs.memory.windows
+        fail_if("invariant", check_tables_referenced(view, plan, obs.layout.block_size, windows))
+        fail_if("invariant", check_holders_counted(view, plan, obs.layout.block_size, windows))
 
 
 class ViewMatchesMemory(Checker):

@@ -1,5 +1,5 @@
 """A tiny hybrid model: recurrent layers (short causal conv + gated delta rule)
-interleaved with rotary attention layers.
+interleaved with rotary attention layers, full (A) or sliding-window (W).
 
 Two paths share the weights and the pure per-chunk pieces (projections, the
 causal conv over a window, attention under a mask, the delta rule), and differ
@@ -17,7 +17,7 @@ On a CPU in float64 the two agree to ~1e-12.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ class StepOutput:
     new_kv: list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: K, V [end-start, H, D]
     states: list[RecState]  # per recurrent layer, at ``end``
     captured: dict[int, list[RecState]]  # absolute position -> per recurrent layer
+    new_win: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per window layer: K, V
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -67,7 +68,7 @@ class TinyHybrid:
         self.layers: list[dict[str, torch.Tensor]] = []
         for kind in c.layer_kinds:
             p = {"norm": 1.0 + w(d, std=0.1)}
-            if kind == "A":
+            if kind in ("A", "W"):  # a window layer is an attention layer with a mask
                 hd = c.attn_heads * c.head_dim
                 p |= {"wq": w(d, hd, std=d**-0.5), "wk": w(d, hd, std=d**-0.5),
                       "wv": w(d, hd, std=d**-0.5), "wo": w(hd, d, std=hd**-0.5)}
@@ -81,7 +82,7 @@ class TinyHybrid:
             # these tiny matrices cost Python's per-operation overhead, not flops).
             # (The weights are drawn one by one above, so the draws stay those of
             # the separate projections.)
-            if kind == "A":
+            if kind in ("A", "W"):
                 p["wqkv"] = torch.cat([p.pop("wq"), p.pop("wk"), p.pop("wv")], dim=1)
             else:
                 p["w_rec"] = torch.cat([p.pop("w_in"), p.pop("w_decay"), p.pop("w_beta")], dim=1)
@@ -128,6 +129,19 @@ class TinyHybrid:
             sees = torch.arange(K.shape[0], device=self.device)[None, :] <= torch.arange(
                 start, start + t, device=self.device)[:, None]
             scores = scores.masked_fill(~sees, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), V).reshape(t, -1)
+
+    def _attend_window(self, q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, start: int, first: int,
+                       window: int) -> torch.Tensor:
+        """Sliding-window attention of queries at positions [start, start + T)
+        over keys at positions [first, first + len(K)): query at q sees the keys
+        at [q - window + 1, q] (vLLM's ``sliding_window``).  Returns [T, heads * head_dim]."""
+        t = q.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, K) / self.config.head_dim**0.5
+        if t > 1 or first <= start - window:  # (one query whose keys are its window's exactly: no mask)
+            kpos = torch.arange(first, first + K.shape[0], device=self.device)[None, :]
+            qpos = torch.arange(start, start + t, device=self.device)[:, None]
+            scores = scores.masked_fill(~((kpos <= qpos) & (kpos > qpos - window)), float("-inf"))
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), V).reshape(t, -1)
 
     def _conv(self, p: dict, window: torch.Tensor) -> torch.Tensor:
@@ -237,11 +251,14 @@ class TinyHybrid:
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         n = ids.shape[0]
         h = self.embed[ids]
-        for kind, p in zip(c.layer_kinds, self.layers):
+        for kind, width, p in zip(c.layer_kinds, c.layer_windows, self.layers):
             x = _rms_norm(h, p["norm"])
             if kind == "A":
                 q, k, v = self._qkv(p, x, 0)
                 h = h + self._attend(q, k, v, 0) @ p["wo"]
+            elif kind == "W":
+                q, k, v = self._qkv(p, x, 0)
+                h = h + self._attend_window(q, k, v, 0, 0, width) @ p["wo"]
             else:
                 u, decay, beta = self._projections(p, x)  # [n, ch], [n, H], [n, H]
                 # The conv over zero left padding (a fresh state's conv part).
@@ -256,23 +273,28 @@ class TinyHybrid:
     @torch.inference_mode()
     def step(self, tokens: list[int] | tuple[int, ...], start: int,
              past_kv: list[tuple[torch.Tensor, torch.Tensor]], states: list[RecState],
-             capture: tuple[int, ...] = ()) -> StepOutput:
+             capture: tuple[int, ...] = (),
+             past_win: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> StepOutput:
         """Compute positions [start, start+len(tokens)).
 
-        ``past_kv[i]`` holds K and V of positions [0, start) for attention layer i
-        (as read from memory); ``states[j]`` the recurrent state at ``start`` for
-        recurrent layer j.  ``capture`` lists absolute positions in
-        (start, end] whose states are returned too.
+        ``past_kv[i]`` holds K and V of positions [0, start) for (full)
+        attention layer i (as read from memory); ``states[j]`` the recurrent
+        state at ``start`` for recurrent layer j; ``past_win[w]`` K and V of
+        the last positions before ``start`` for window layer w (at least its
+        window - 1 of them, or all from 0: what it reads ends at ``start``).
+        ``capture`` lists absolute positions in (start, end] whose states are
+        returned too.  The new K and V of window layers come back in
+        ``StepOutput.new_win``.
         """
         c = self.config
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
         t = ids.shape[0]
         capture_rel = {pos - start for pos in capture}
         captured: dict[int, list[RecState]] = {pos: [] for pos in capture}
-        new_kv, new_states = [], []
+        new_kv, new_states, new_win = [], [], []
         h = self.embed[ids]
-        ai = ri = 0
-        for kind, p in zip(c.layer_kinds, self.layers):
+        ai = ri = wi = 0
+        for kind, width, p in zip(c.layer_kinds, c.layer_windows, self.layers):
             x = _rms_norm(h, p["norm"])
             if kind == "A":
                 q, k, v = self._qkv(p, x, start)
@@ -280,6 +302,14 @@ class TinyHybrid:
                 h = h + self._attend(q, torch.cat([pk, k]), torch.cat([pv, v]), start) @ p["wo"]
                 new_kv.append((k, v))
                 ai += 1
+            elif kind == "W":
+                q, k, v = self._qkv(p, x, start)
+                assert past_win is not None, "a model with window layers needs past_win"
+                pk, pv = past_win[wi]
+                h = h + self._attend_window(q, torch.cat([pk, k]), torch.cat([pv, v]), start,
+                                            start - pk.shape[0], width) @ p["wo"]
+                new_win.append((k, v))
+                wi += 1
             else:
                 st = states[ri]
                 u, decay, beta = self._projections(p, x)
@@ -294,4 +324,5 @@ class TinyHybrid:
                 new_states.append(RecState(conv=window[t: t + w_ - 1].clone(), ssm=S))
                 h = h + o.reshape(t, -1) @ p["w_out"]
                 ri += 1
-        return StepOutput(logits=self._head(h), new_kv=new_kv, states=new_states, captured=captured)
+        return StepOutput(logits=self._head(h), new_kv=new_kv, states=new_states, captured=captured,
+                          new_win=new_win)

@@ -140,7 +140,7 @@ class Comparison:
 
 def compare(old: dict, new: dict) -> Comparison:
     o, n = _by_id(old), _by_id(new)
-    cmp = Comparison(interrupted=bool(new.get("interrupted")), old_identity=identity(old), new_identity=identity(new),
+    cmp = Comparison(interrupted=bool(_stopped(new)), old_identity=identity(old), new_identity=identity(new),
                      old_unusable=what_ran(old), new_unusable=what_ran(new),
                      old_stopped=_stopped(old), new_stopped=_stopped(new))
     cmp.nothing_checked = not any(c["status"] != "skipped" for c in n.values())
@@ -226,9 +226,16 @@ def defect_lines(cmp: Comparison) -> list[str]:
 
 
 def _stopped(doc: dict) -> str:
-    if not doc.get("interrupted"):
-        return ""
-    return f"crashed ({doc['crashed']})" if doc.get("crashed") else "interrupted"
+    """Why a run is incomplete ("" when it is not): interrupted, crashed, never
+    finished (killed, or still running: results.json's ``finished`` is null),
+    planned checks not run."""
+    if doc.get("interrupted"):
+        return f"crashed ({doc['crashed']})" if doc.get("crashed") else "interrupted"
+    if "finished" in doc and not doc["finished"]:
+        return "did not finish (it was killed, or is still running)"
+    if doc.get("not_run"):
+        return f"did not run {len(doc['not_run'])} of its planned checks"
+    return ""
 
 
 def _changes(cid: str, before: dict, now: dict) -> list[tuple[str, str, str, str]]:

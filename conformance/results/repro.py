@@ -132,6 +132,7 @@ def _parse_model(data: dict) -> ModelConfig:
         default = known[key].default
         expected = type(default)
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) if expected is float else \
+            isinstance(value, list) if expected is tuple else \
             isinstance(value, expected) and not (expected is int and isinstance(value, bool))
         if not ok:
             raise ReproFormatError(f"model.{key}: must be {expected.__name__}, got {type(value).__name__}")
@@ -149,6 +150,9 @@ def _parse_impl_config(data: dict) -> ImplConfig:
         if key == "options":
             if not isinstance(value, dict):
                 raise ReproFormatError("impl_config.options: must be an object")
+        elif key == "windows":
+            if not isinstance(value, list) or any(not isinstance(w, int) or isinstance(w, bool) for w in value):
+                raise ReproFormatError("impl_config.windows: must be a list of integers")
         elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ReproFormatError(f"impl_config.{key}: must be a positive integer")
     return ImplConfig(**{k: v for k, v in data.items() if v is not None})

@@ -112,6 +112,27 @@ CHECKS: tuple[CheckSpec, ...] = (
                "verify_under_pressure", "verify_beside_chunked_prefill"),
               num_kv_blocks=32, num_state_slots=12, max_seq_blocks=10, max_active=2, max_new_tokens=12, spec=True,
               observe_when_declared=("expected-hit",)),
+    # Sliding-window KV, the third memory shape (issue 35), on a model with
+    # window layers of two windows beside a recurrent and a full attention
+    # layer (fixtures/models/window-hybrid.toml); counters: judge/windows.py.
+    CheckSpec("window-reuse", "window",
+              "prompts longer than the window, hits past the window after its blocks were freed, prompts extended "
+              "inside the last block, chunked prefill across the window, aborts mid-window",
+              frozenset({"continue", "step", "abort", "window-freed"}),
+              ("prefix_hits", "window_prompts_past_window", "window_chunks_across", "window_hits_past_freed",
+               "window_extended_hits", "window_aborts_mid_window"),
+              num_kv_blocks=36, num_state_slots=24, max_seq_blocks=10, max_active=2, model="window-hybrid"),
+    # Drafts verified against window layers: a rejected draft rolls the
+    # window's start back below where an optimistic free would have left it
+    # (vllm#47728); EAGLE's dropped block (spec_drop_block) moves a hit left
+    # of the window its finder held (vllm#17398).
+    CheckSpec("window-spec", "window",
+              "draft tokens verified on a model with window layers: drafts rejected across the window's edge, hits "
+              "after verification",
+              frozenset({"spec", "continue", "step"}),
+              ("window_drafts_rejected_across_edge", "drafts_rejected_all", "prefix_hits"),
+              num_kv_blocks=48, num_state_slots=12, max_seq_blocks=8, max_active=2, max_new_tokens=8, spec=True,
+              model="window-hybrid"),
 )
 
 MIXED = mixed()

@@ -128,19 +128,28 @@ def replay_pinned(expectations: Expectations | None, factory, model, oracle, tim
     ``not replayed`` (an engine-level repro: the engine run replays those)."""
     if expectations is None:
         return []
+    return [replay_defect(expectations, d, factory, model, oracle, timeout) for d in pinned_defects(expectations)]
+
+
+def pinned_defects(expectations: Expectations | None) -> list[str]:
+    """The open defects with a pinned repro, in the file's order: one replay (and one plugin item) each."""
+    if expectations is None:
+        return []
+    return [d.id for d in expectations.table.open() if d.repro is not None]
+
+
+def replay_defect(expectations: Expectations, defect_id: str, factory, model, oracle,
+                  timeout: float | None) -> dict:
+    """The replay of one open defect's pinned repro (a record as ``replay_pinned`` makes)."""
     from conformance.results.pinned import load_any
 
-    out = []
-    for defect in expectations.table.open():
-        if defect.repro is None:
-            continue
-        pinned = load_any(defect.repro)
-        if pinned.level != "cache":
-            out.append({"defect": defect.id, "outcome": "not replayed", "repro": str(defect.repro),
-                        "note": "an engine-level repro: run --impl vllm-engine replays it"})
-            continue
-        out.append(replay_one(expectations.table, defect, pinned, factory, model, oracle, timeout))
-    return out
+    defect = expectations.table.defects[defect_id]
+    assert defect.repro is not None, "an open defect pins a repro (validated when the file is loaded)"
+    pinned = load_any(defect.repro)
+    if pinned.level != "cache":
+        return {"defect": defect.id, "outcome": "not replayed", "repro": str(defect.repro),
+                "note": "an engine-level repro: run --impl vllm-engine replays it"}
+    return replay_one(expectations.table, defect, pinned, factory, model, oracle, timeout)
 
 
 def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeout) -> dict:

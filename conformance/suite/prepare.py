@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from conformance.adapters import resolve
+from conformance.adapters import ENGINE_LEVEL, resolve
 from conformance.errors import UsageError
 from conformance.suite.checks import CATALOGUE, PROFILES, get_check
 from conformance.suite.config_matrix import expand
@@ -23,7 +23,15 @@ from conformance.suite.seeds import seed_index
 def prepare_run(opts: RunOptions) -> Run:
     """Resolve the implementation, the mutant, the faults, the checks and their
     variants, seeds and shard, and the report directory; raise UsageError for
-    anything wrong with them."""
+    anything wrong with them.  ``--impl vllm-engine`` makes an engine-level
+    Run (conformance.suite.engine_level)."""
+    if isinstance(opts.impl, str) and opts.impl in ENGINE_LEVEL:
+        from conformance.suite.engine_level import plan_engine, prepare_engine
+
+        plan = plan_engine(opts)  # a flag it would ignore, a profile, option or check it does not have: now
+        if opts.report_dir is not None and opts.write_reports:
+            check_report_dir(Path(opts.report_dir))
+        return prepare_engine(opts, plan)
     if opts.profile not in PROFILES:
         raise UsageError(f"--profile {opts.profile!r}: expected one of {', '.join(PROFILES)}")
     profile = PROFILES[opts.profile]
@@ -31,6 +39,7 @@ def prepare_run(opts: RunOptions) -> Run:
     if opts.report_dir is not None and opts.write_reports:
         check_report_dir(Path(opts.report_dir))
     impl, factory = _resolve_impl(opts.impl)
+    known_as = _named(impl, factory)  # the name an expectations file knows it by
     try:
         specs = [get_check(c) for c in opts.checks] if opts.checks else list(profile.checks)
     except KeyError as exc:
@@ -57,9 +66,10 @@ def prepare_run(opts: RunOptions) -> Run:
     # The engine version's (and build's) known defects: a bad entry is a usage error now, before any check runs.
     from conformance.suite.known import check_fix_target, expectations_for
 
-    expectations = expectations_for(impl, str(getattr(factory, "version", "unknown")), opts.expectations,
+    expectations = expectations_for(known_as, str(getattr(factory, "version", "unknown")), opts.expectations,
                                     build=str(getattr(factory, "build", "") or ""))
     check_fix_target(opts.mutant, expectations)
+    unsplit = tuple(spec.id for _, spec in planned)
     if opts.shard:
         planned = select_shard(planned, *opts.shard)
         if not planned:  # a green run of nothing would hide a miscounted CI matrix
@@ -87,7 +97,7 @@ def prepare_run(opts: RunOptions) -> Run:
                pools=pools,
                report_dir=report_dir, workers=opts.workers, shard=opts.shard, stop_at_failure=opts.stop_at_failure,
                matrix=opts.matrix, options=replace(opts, impl_options=dict(opts.impl_options)),
-               expectations=expectations)
+               expectations=expectations, unsplit=unsplit)
 
 
 def plan_checks(specs, factory, impl_options, matrix: bool = True) -> list:
@@ -122,6 +132,21 @@ def select_shard(planned: list, i: int, n: int) -> list:
 def impl_label(factory) -> str:
     """``module:Class`` for an implementation given as an object (replay needs it as ``--impl``)."""
     return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', factory)}"
+
+
+def _named(impl: str, factory) -> str:
+    """A named adapter's class given as an object (``machine_test(VllmCache)``,
+    the plugin's fixture) is that adapter for its expectations file: its
+    name, not ``module:Class``.  Only an adapter already imported can be it."""
+    import sys
+
+    from conformance.adapters import NAMED
+
+    for name, target in NAMED.items():
+        module, _, attr = target.partition(":")
+        if getattr(sys.modules.get(module), attr, None) is factory:
+            return name
+    return impl
 
 
 def _resolve_impl(impl) -> tuple[str, Callable[..., Any]]:

@@ -10,7 +10,7 @@ reference cache, the faults' counters) lives in :class:`Resources`."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,16 @@ class Run:
     # The engine version's expectations file (known defects, per-check expectations: conformance.suite.known),
     # validated here; its known defects are recorded and explored past, never raised. None: no file.
     expectations: Expectations | None = None
+    # The whole run's plan before the shard's cut (a shard records it: a merge tells a missing shard's checks).
+    unsplit: tuple[str, ...] = ()
+    # An engine-level run (--impl vllm-engine: conformance.suite.engine_level.EnginePlan): whole engines run
+    # its checks, planned by id; ``checks`` is then empty.  None: a cache-level run.
+    engine: Any = None
+
+    @property
+    def planned_ids(self) -> list[str]:
+        """The ids of every check this run plans, in order (either level)."""
+        return list(self.engine.planned) if self.engine is not None else [p.id for p in self.checks]
 
 
 @dataclass
@@ -94,6 +104,21 @@ class Resources:
     model: TinyHybrid
     oracle: Oracle
     faults: Any = None  # fault_injection.environment.FaultSet, or None
+    # Models a check names (CheckSpec.model) and their oracles, built once a process.
+    own: dict = field(default_factory=dict)
+
+    def for_check(self, spec) -> Resources:
+        """The resources of one check: the run's, with the check's own model
+        and oracle when it names one (``CheckSpec.model``)."""
+        if spec.model is None:
+            return self
+        if spec.model not in self.own:
+            from conformance.harness.oracle import Oracle
+            from conformance.model import ModelConfig, TinyHybrid
+
+            model = TinyHybrid(ModelConfig.fixture(spec.model))
+            self.own[spec.model] = Resources(model, Oracle(model), self.faults)
+        return self.own[spec.model]
 
 
 def resources_for(run: Run) -> Resources:

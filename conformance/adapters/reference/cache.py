@@ -7,6 +7,16 @@ the KV covers *and* at which a snapshot exists.  Chunks are cut at checkpoints
 so that every snapshot is a step's final state, registered in place; the
 request then moves on with copy-before-extend.
 
+Sliding-window layers (``ImplConfig.windows``, one group per window): each
+group has a block table of its own, from the same pool.  A block that left
+every position's window (``computed - W + 1`` past its end) is let go at once,
+on what the request has computed (never on what a step in flight will have
+computed), and stays cached until the pool reuses it, as vLLM's
+``SlidingWindowManager`` frees with ``remove_skipped_blocks``.  A hit at p
+needs, in every window group, the blocks of [p - W + 1, p) (found right to
+left from p), on top of the full layers' KV and a state: one length in tokens
+for every group, the longest at which all of them hold.
+
 Each decision lives in a small method so that a mutant (``fault_injection``)
 can override exactly one of them.
 """
@@ -22,6 +32,7 @@ from conformance.adapters.reference.speculative import SpecOptions, SpeculativeD
 from conformance.adapters.reference.state_pool import StatePool
 from conformance.contract import (
     FRESH,
+    NULL_BLOCK,
     RESUME,
     CachedKV,
     CachedState,
@@ -54,6 +65,8 @@ class _Req:
     proposed: tuple[int, ...] = ()  # drafts proposed for the next step
     spare: list[int] = field(default_factory=list)  # state slots for the verified positions, held
     resume_slot: int | None = None  # the slot holding the state at ``computed`` when not ``slot``
+    # sliding windows: per window group, the block table (NULL_BLOCK: let go, it left the window)
+    windows: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -63,6 +76,8 @@ class Match:
     length: int
     blocks: list[int]
     slot: int | None
+    # per window group, the hit's table: NULL_BLOCK before the window at ``length``, then cached blocks
+    windows: list[list[int]] = field(default_factory=list)
 
 
 class ReferenceCache(SpeculativeDecoding):
@@ -84,6 +99,7 @@ class ReferenceCache(SpeculativeDecoding):
         config = config or ImplConfig()
         self.config = config
         self.B = config.block_size
+        self.windows = tuple(config.windows)  # the window of each window group
         self.policy = RetentionPolicy.from_options(config.options, self.B)
         self.spec = SpecOptions.from_options(config.options)
         self.kv = BlockPool(config.num_kv_blocks)
@@ -143,6 +159,8 @@ class ReferenceCache(SpeculativeDecoding):
                 self._register_blocks(req)
                 if self.policy.is_checkpoint(step.end, req.prompt_len, self.B) or self._sighted(req, step.end):
                     self._register_snapshot(req)
+            if self.windows:
+                self._slide_windows(req)
             if step.request_id in result.sampled:
                 req.tokens.append(result.sampled[step.request_id])
                 req.generated += 1
@@ -172,17 +190,18 @@ class ReferenceCache(SpeculativeDecoding):
         return CacheView(
             kv_refcounts=dict(enumerate(self.kv.ref)),
             state_refcounts=dict(enumerate(self.states.ref)),
-            cached_kv=tuple(self._entry(CachedKV, b, meta[2]) for b, meta in self.kv.meta.items()),
+            cached_kv=tuple(self._entry(CachedKV, b, meta[2]) for b, meta in self.kv.meta.items())
+            + tuple(self._entry(CachedKV, b, meta[3], meta[0]) for b, meta in self.kv.win_meta.items()),
             cached_states=tuple(self._entry(CachedState, s, prefix) for s, prefix in self.states.snap.items()),
             running=tuple(r.request_id for r in self.running))
 
-    def _entry(self, kind, ident: int, prefix: tuple[int, ...]):
+    def _entry(self, kind, ident: int, prefix: tuple[int, ...], group: int | None = None):
         """View entries are immutable: rebuild one only when its content changed
         (a replay with thousands of cached prefixes asks for a view every step)."""
         memo = self.__dict__.setdefault("_view_memo", {})
-        e = memo.get((kind, ident))
+        e = memo.get((kind, ident, group))
         if e is None or e.tokens is not prefix:
-            e = memo[(kind, ident)] = kind(ident, prefix)
+            e = memo[(kind, ident, group)] = kind(ident, prefix) if group is None else kind(ident, prefix, group)
         return e
 
     # -- admission: prefix match and reconciliation ----------------------------------
@@ -195,27 +214,35 @@ class ReferenceCache(SpeculativeDecoding):
             remote = self.tier.remote_length(req.request_id)
             if remote is not None:
                 match = self._tier_match(req.tokens[: req.prompt_len], match, remote)
-        for b in match.blocks:
+        if len(match.windows) != len(self.windows):  # a match made without the window groups
+            match.windows = self._window_hit(req.tokens[: req.prompt_len], match.length) or \
+                [[NULL_BLOCK] * -(-match.length // self.B) for _ in self.windows]
+        window_blocks = [b for table in match.windows for b in table if b != NULL_BLOCK]
+        for b in match.blocks + window_blocks:
             self.kv.acquire(b)
         if match.slot is not None:
             self.states.acquire(match.slot)
-        own = self.kv.allocate() if match.length % self.B else None
+        # The hit ends inside its last block and the request will write the
+        # rest of that block: it gets a private copy (copy-on-write), in every group.
+        tails = [t for t in (match.blocks, *match.windows) if t and t[-1] != NULL_BLOCK] \
+            if match.length % self.B else []
+        own = [self.kv.allocate() for _ in tails]
         slot = self.states.allocate()
-        if slot is None or (match.length % self.B and own is None):
-            for b in match.blocks + ([own] if own is not None else []):
+        if slot is None or None in own:
+            for b in match.blocks + window_blocks + [b for b in own if b is not None]:
                 self.kv.release(b)
             for s in (match.slot, slot):
                 if s is not None:
                     self.states.release(s)
             return False
         req.slot = slot
-        if own is not None:
-            # The hit ends inside its last block and the request will write the
-            # rest of that block: it gets a private copy (copy-on-write).
-            kv_copies.append((match.blocks[-1], own))
-            req.pins.append(("kv", match.blocks[-1]))  # released once the copy has run
-            match.blocks[-1] = own
+        for table, copy in zip(tails, own):
+            assert copy is not None  # checked above
+            kv_copies.append((table[-1], copy))
+            req.pins.append(("kv", table[-1]))  # released once the copy has run
+            table[-1] = copy
         req.blocks = match.blocks
+        req.windows = [list(t) for t in match.windows]
         req.computed = match.length
         if match.slot is None:
             req.init = FRESH
@@ -290,12 +317,68 @@ class ReferenceCache(SpeculativeDecoding):
 
     def _reconcile(self, prompt: list[int], kv_len: int, blocks: list[int], keys: list[int]) -> Match:
         """One prefix length for every group: the longest p <= the KV hit at
-        which a state snapshot exists (at least one token is left to compute)."""
+        which a state snapshot exists and every window group holds the window
+        (at least one token is left to compute)."""
         for p in range(min(kv_len, len(prompt) - 1), 0, -1):
             slot = self.states.lookup(tuple(prompt[:p]))
             if slot is not None:
-                return Match(p, blocks[: -(-p // self.B)], slot)
-        return Match(0, [], None)
+                windows = self._window_hit(prompt, p)
+                if windows is not None:
+                    return Match(p, blocks[: -(-p // self.B)], slot, windows)
+        return Match(0, [], None, [[] for _ in self.windows])
+
+    # -- sliding windows --------------------------------------------------------------
+    def _window_hit(self, prompt: list[int], p: int) -> list[list[int]] | None:
+        """Each window group's table for a hit at ``p``: NULL_BLOCK before the
+        window, then the cached blocks of [p - W + 1, p) (the last one may hold
+        more than p's block needs); None when some group lacks one."""
+        B, n = self.B, -(-p // self.B)
+        keys = self._chain_keys(prompt, n)
+        tables = []
+        for g, w in enumerate(self.windows):
+            first = max(0, p - w + 1) // B
+            table = [NULL_BLOCK] * first
+            for i in range(first, n):
+                block, common = self.kv.lookup(keys[i], tuple(prompt[i * B: (i + 1) * B]), g)
+                if block is None or common < min(B, p - i * B):
+                    return None
+                table.append(block)
+            tables.append(table)
+        return tables
+
+    def _chain_keys(self, tokens: list[int], n: int) -> list[int]:
+        """``keys[i]``: the chain key of the first i blocks of ``tokens`` (i < n)."""
+        keys = [ROOT]
+        for i in range(n - 1):
+            keys.append(chain(keys[-1], tuple(tokens[i * self.B: (i + 1) * self.B])))
+        return keys
+
+    def _slide_windows(self, req: _Req) -> None:
+        """After a step: the window blocks it completed become reusable, and
+        those that left every window of what the request computed go back to
+        the pool (cached until reused)."""
+        self._register_window_blocks(req)
+        self._free_left_window(req, req.computed)
+
+    def _register_window_blocks(self, req: _Req) -> None:
+        B, parent = self.B, ROOT
+        for i in range(req.computed // B):
+            tokens = tuple(req.tokens[i * B: (i + 1) * B])
+            prefix = None
+            for g, table in enumerate(req.windows):
+                if i < len(table) and table[i] != NULL_BLOCK:
+                    prefix = prefix or tuple(req.tokens[: (i + 1) * B])
+                    self.kv.register(parent, tokens, prefix, table[i], g)
+            parent = chain(parent, tokens)
+
+    def _free_left_window(self, req: _Req, computed: int) -> None:
+        """Let go of the blocks no position from ``computed`` on reads (vLLM's
+        ``remove_skipped_blocks`` on the committed count)."""
+        for w, table in zip(self.windows, req.windows):
+            for i in range(min(len(table), max(0, computed - w + 1) // self.B)):
+                if table[i] != NULL_BLOCK:
+                    self.kv.release(table[i])
+                    table[i] = NULL_BLOCK
 
     # -- one request's share of a step ------------------------------------------------
     def _plan_request(self, req: _Req, budget: int) -> RequestStep | None:
@@ -322,16 +405,21 @@ class ReferenceCache(SpeculativeDecoding):
         drafts, draft_slots, snapshots = self._verification(req, end, drafts)
         req.proposed = ()  # a proposal lasts until the request's next step
         return RequestStep(req.request_id, req.computed, end, tuple(req.blocks), req.slot, init,
-                           snapshots=snapshots, drafts=drafts, draft_slots=draft_slots)
+                           snapshots=snapshots, drafts=drafts, draft_slots=draft_slots,
+                           window_tables=tuple(tuple(t) for t in req.windows))
 
     def _grow(self, req: _Req, end: int) -> bool:
-        need = -(-end // self.B) - len(req.blocks)
+        n = -(-end // self.B)
+        if not req.windows and self.windows:
+            req.windows = [[] for _ in self.windows]
+        need = n - len(req.blocks) + sum(max(0, n - len(t)) for t in req.windows)
         if need > self.kv.num_free():
             return False
-        for _ in range(need):
-            block = self.kv.allocate()
-            assert block is not None  # num_free() counted it
-            req.blocks.append(block)
+        for table in (req.blocks, *req.windows):
+            while len(table) < n:
+                block = self.kv.allocate()
+                assert block is not None  # num_free() counted it
+                table.append(block)
         return True
 
     # -- bookkeeping after a step ---------------------------------------------------
@@ -382,13 +470,17 @@ class ReferenceCache(SpeculativeDecoding):
         return cut
 
     def _register_tail(self, req: _Req) -> None:
-        """At the end of a request its partly filled last block is reusable too."""
+        """At the end of a request its partly filled last block is reusable too
+        (in every group)."""
         B, n = self.B, req.computed
         if n % B and len(req.blocks) > n // B:
             parent = ROOT
             for i in range(n // B):
                 parent = chain(parent, tuple(req.tokens[i * B: (i + 1) * B]))
             self.kv.register(parent, tuple(req.tokens[n // B * B: n]), tuple(req.tokens[:n]), req.blocks[n // B])
+            for g, table in enumerate(req.windows):
+                if len(table) > n // B and table[n // B] != NULL_BLOCK:
+                    self.kv.register(parent, tuple(req.tokens[n // B * B: n]), tuple(req.tokens[:n]), table[n // B], g)
 
     def _finish(self, req: _Req) -> None:
         self._resume(req, True)  # the state at the sequence's end may sit in a verified column
@@ -400,6 +492,8 @@ class ReferenceCache(SpeculativeDecoding):
 
     def _free(self, req: _Req) -> None:
         self._release_blocks(req.blocks)
+        self._release_blocks([b for table in req.windows for b in table if b != NULL_BLOCK])
+        req.windows = []
         if req.slot is not None:
             self.states.release(req.slot)
         self._release_spare(req)

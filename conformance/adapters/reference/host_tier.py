@@ -86,6 +86,8 @@ class HostTier:
 
     # -- offload on eviction ---------------------------------------------------------------
     def _evict_kv(self, block: int, meta) -> None:
+        if len(meta) != 3:
+            return  # a window group's block: this tier keeps the full layers' KV and states only
         parent, block_tokens, prefix = meta
         if len(block_tokens) == self.B:  # partial tails are cheap to recompute: not worth a transfer
             self._offload("kv", block, kv_key(prefix), prefix=prefix, parent=parent, block_tokens=block_tokens)

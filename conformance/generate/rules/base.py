@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import note
@@ -53,6 +54,8 @@ class MachineBase(RuleBasedStateMachine):
         self.model = model or TinyHybrid(ModelConfig())
         self.oracle = oracle or Oracle(self.model)
         self.impl_config = impl_config or self.spec.impl_config()
+        if self.model.config.window_groups and not self.impl_config.windows:  # the cache is told its windows
+            self.impl_config = replace(self.impl_config, windows=self.model.config.window_groups)
         self.timeout = timeout
         self.recorder = recorder or Recorder()
         # Called with each new session: more checkers (metrics), environment faults.
@@ -164,12 +167,17 @@ class MachineBase(RuleBasedStateMachine):
         return zlib.crc32(repr(self.ops).encode()) % PROBE_EVERY == 0
 
     def fits(self, length: int, max_new: int) -> bool:
-        """Keep concurrency within the layout so a correct cache never stalls."""
+        """Keep concurrency within the layout so a correct cache never stalls
+        (``ceil((prompt + new) / B) + 1`` blocks a request, for the full
+        layers and again for each window group)."""
         B, cfg = self.B, self.impl_config
         active = [self.session.tracks[r] for r in self.session.active()]
         if len(active) >= self.spec.max_active or length + max_new > self.max_len:
             return False
         need = sum(-(-(t.prompt_len + t.max_new) // B) + 1 for t in active) + -(-(length + max_new) // B) + 1
+        # sliding windows: each window group may hold as many blocks again (a prefill chunk
+        # allocates its window layers' blocks for every position it computes, as vLLM does)
+        need *= 1 + len(self.model.config.window_groups)
         # speculative decoding: a state slot per draft a request may verify, besides its two
         declared = self.session.speculator.declared
         slots = 2 + (declared.max_drafts if declared is not None else 0)

@@ -54,8 +54,8 @@ class MachineBase(RuleBasedStateMachine):
         self.model = model or TinyHybrid(ModelConfig())
         self.oracle = oracle or Oracle(self.model)
         self.impl_config = impl_config or self.spec.impl_config()
-        if self.model.config.window_groups and not self.impl_config.windows:  # the cache is told its windows
-            self.impl_config = replace(self.impl_config, windows=self.model.config.window_groups)
+        if self.model.config.window_groups and not self.impl_config.layer_kinds:  # the cache is told its windows
+            self.impl_config = replace(self.impl_config, **self.model.config.window_facts())
         self.timeout = timeout
         self.recorder = recorder or Recorder()
         # Called with each new session: more checkers (metrics), environment faults.
@@ -177,7 +177,8 @@ class MachineBase(RuleBasedStateMachine):
         need = sum(-(-(t.prompt_len + t.max_new) // B) + 1 for t in active) + -(-(length + max_new) // B) + 1
         # sliding windows: each window group may hold as many blocks again (a prefill chunk
         # allocates its window layers' blocks for every position it computes, as vLLM does)
-        need *= 1 + len(self.model.config.window_groups)
+        # (the groups memory holds: the model's windows, or the cache's own layer groups, Layout)
+        need *= 1 + len(self.session.memory.windows)
         # speculative decoding: a state slot per draft a request may verify, besides its two
         declared = self.session.speculator.declared
         slots = 2 + (declared.max_drafts if declared is not None else 0)

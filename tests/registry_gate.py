@@ -58,9 +58,7 @@ def quick_variants(factory) -> list[tuple[int, CheckSpec]]:
 def variant_options(factory, spec: CheckSpec) -> dict:
     """The options a variant's implementation is built with: the check's, the variant's, and the
     implementation's own switch for the tier or speculative family (as suite/execute.py adds them)."""
-    from conformance.suite.config_matrix import parse_variant_id
-
-    options = {**spec.options, **parse_variant_id(spec.id)[1]}
+    options = dict(spec.options)  # a variant's own (its model and pool are the check's: CheckSpec.model)
     for wanted, attr in ((spec.tier, "tier_option"), (spec.spec, "spec_option")):
         option = getattr(factory, attr, None)
         if wanted and option:
@@ -127,7 +125,7 @@ def vllm_exercised() -> Exercised:
     out = Exercised()
     for _index, spec in quick_variants(VllmCache):
         options = {k: v for k, v in variant_options(VllmCache, spec).items() if k not in SPEC_KEYS}
-        key = f"{spec.disagg}:{sorted(options.items(), key=lambda kv: kv[0])!r}"
+        key = f"{spec.disagg}:{spec.model}:{spec.num_kv_blocks}:{sorted(options.items(), key=lambda kv: kv[0])!r}"
         if key in seen:
             continue
         seen.add(key)

@@ -120,6 +120,16 @@ class VllmCache:
         "spec": ({"spec_method": "eagle", "retention_interval": None},
                  {"spec_method": "eagle", "spec_lookahead_hashes": False, "retention_interval": None},
                  {"spec_method": "ngram", "retention_interval": None}),
+        # Sliding-window groups (the window family, issue 35), as vLLM's get_kv_cache_groups makes them of
+        # the check's model: window + Mamba + full (the family's model, windows 6 and 11: two window groups),
+        # gpt-oss's alternating window and full layers (one window group, no Mamba group), and Gemma 3's
+        # five local layers per global one (five window groups of one window, six tables: a pool of 96
+        # blocks, 16 a group, where the family's 36 hold one table).  The model and the pool are the
+        # harness's own variant keys (suite/config_matrix.py).  The drafts check on the family's model and on
+        # Gemma 3's: one window spec beside full attention is the coordinator's "simple hybrid"
+        # (kv_cache_coordinator.py:838-853: one pass, no fixed point), where EAGLE's drop meets the window.
+        "window-reuse": ({}, {"model": "window-alternating"}, {"model": "window-5to1", "num_kv_blocks": 96}),
+        "window-spec": ({}, {"model": "window-5to1"}),
         "*": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "connector": "divergent"}),
     }
 
@@ -173,7 +183,9 @@ class VllmCache:
     def layout(self) -> Layout:
         # One vLLM block id indexes a KV block (attention group) or a state slot
         # (Mamba group): the harness allocates NB of each.
-        return Layout(self.opts.block_size, self.opts.num_blocks, self.opts.num_blocks)
+        # With window layers: vLLM's window groups, each its own table (Groups.window_layers).
+        return Layout(self.opts.block_size, self.opts.num_blocks, self.opts.num_blocks,
+                      window_layer_groups=self.runner.groups.window_layers)
 
     def engine_config(self) -> dict:
         """The configuration vLLM was started with (the pool, the fitted max_model_len, the

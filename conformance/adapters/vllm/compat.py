@@ -361,3 +361,13 @@ def drops_eagle_block(vllm_config) -> bool:
     :122-124), and from 0.33.0 only without hash lookahead (:107-111)."""
     sc = vllm_config.speculative_config
     return sc is not None and sc.use_eagle_block_drop() and not hash_lookahead_tokens(vllm_config)
+
+
+def kv_cache_groups(vllm_config, specs: dict) -> list:
+    """vLLM's own grouping of a model's layers into KV cache groups (``get_kv_cache_groups``:
+    v1/core/kv_cache_planning.py in 0.33.0, v1/core/kv_cache_utils.py before)."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # type: ignore[no-redef,attr-defined]
+    return get_kv_cache_groups(vllm_config, dict(specs))

@@ -134,6 +134,14 @@ class VllmOptions:
     spec_tokens: int = 0
     spec_method: str = "eagle"
     spec_lookahead_hashes: bool = True
+    # The harness model's layers when it has window layers (ImplConfig.layer_kinds / layer_windows): vLLM
+    # then gets one spec per layer, grouped by its own get_kv_cache_groups (:func:`layer_specs`).
+    layer_kinds: str = ""
+    layer_windows: tuple[int, ...] = ()
+
+    @property
+    def has_mamba(self) -> bool:
+        return "R" in self.layer_kinds if self.layer_kinds else True
 
     @classmethod
     def from_config(cls, config: ImplConfig) -> VllmOptions:
@@ -147,7 +155,10 @@ class VllmOptions:
         layer = o.get("layer", "mamba2")
         if layer not in LAYERS:
             raise ValueError(f"unknown layer {layer!r} (expected one of {LAYERS})")
-        bs = hybrid_block_size(config.block_size, layer)
+        kinds = config.layer_kinds
+        if kinds and layer in MIXED_LAYERS:
+            raise ValueError(f"layer {layer!r} (two Mamba groups) is not modelled beside window layers")
+        bs = hybrid_block_size(config.block_size, layer) if not kinds or "R" in kinds else config.block_size
         pmu = o.get("prefix_match_unit") or bs
         if bs % pmu:
             raise ValueError(f"prefix_match_unit {pmu} must divide the block size {bs}")
@@ -176,7 +187,8 @@ class VllmOptions:
                    retention_interval=interval, admission=admission,
                    max_num_seqs=int(o.get("max_num_seqs", 16)), max_model_len=_length(o.get("max_model_len")),
                    shared_prefix_checkpoint=bool(o.get("shared_prefix_checkpoint", False)),
-                   connector=connector_option(o.get("connector")), layer=layer)
+                   connector=connector_option(o.get("connector")), layer=layer, layer_kinds=kinds,
+                   layer_windows=tuple(config.layer_windows))
 
 
 def _length(value) -> int | None:
@@ -325,22 +337,38 @@ ATTN_GROUP, MAMBA_GROUP = 0, 1  # the groups of one attention and one Mamba laye
 class Groups:
     """Which KV cache group plays which part for the harness.
 
-    ``attn``: the full-attention group (the harness's attention layers); ``mamba``: the Mamba group
-    whose state the harness's recurrent layers hold (its block ids are state slots); ``shadow``: Mamba
-    groups vLLM schedules, allocates and reconciles whose memory the harness does not model (the
-    contract has one state slot per request)."""
+    ``attn``: the full-attention group (the harness's attention layers; None for a model without them);
+    ``mamba``: the Mamba group whose state the harness's recurrent layers hold (its block ids are state
+    slots; None for a model without recurrent layers); ``shadow``: Mamba groups vLLM schedules,
+    allocates and reconciles whose memory the harness does not model (the contract has one state slot per
+    request); ``windows``: the sliding-window groups, in vLLM's order, and ``window_layers`` the model's W
+    layers of each (indices among the W layers: the harness's ``Layout.window_layer_groups``)."""
 
-    attn: int = ATTN_GROUP
-    mamba: int = MAMBA_GROUP
+    attn: int | None = ATTN_GROUP
+    mamba: int | None = MAMBA_GROUP
     shadow: tuple[int, ...] = ()
+    windows: tuple[int, ...] = ()
+    window_layers: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of(cls, kv_cache_config) -> Groups:
-        names = [g.layer_names for g in kv_cache_config.kv_cache_groups]
-        judged = next(i for i, layers in enumerate(names) if _judged_layer(layers))
-        shadow = tuple(i for i, layers in enumerate(names) if i != judged and not layers[0].startswith("attn"))
-        attn = next(i for i, layers in enumerate(names) if layers[0].startswith("attn"))
-        return cls(attn, judged, shadow)
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+        groups = kv_cache_config.kv_cache_groups
+        kind = [("mamba" if isinstance(g.kv_cache_spec, MambaSpec) else
+                 "window" if isinstance(g.kv_cache_spec, SlidingWindowSpec) else "attn") for g in groups]
+        attn = [i for i, k in enumerate(kind) if k == "attn"]
+        if len(attn) > 1:  # the contract has one full-attention table per request
+            raise ValueError(f"vLLM made {len(attn)} full attention groups of this model; the harness has one table")
+        mambas = [i for i, k in enumerate(kind) if k == "mamba"]
+        judged = next((i for i in mambas if _judged_layer(groups[i].layer_names)), mambas[0] if mambas else None)
+        windows = tuple(i for i, k in enumerate(kind) if k == "window")
+        # W-layer index of each window layer name ("swa.<layer index>"), in layer order.
+        w_layers = sorted({int(n.split(".")[1]) for i in windows for n in groups[i].layer_names})
+        window_layers = tuple(tuple(sorted(w_layers.index(int(n.split(".")[1])) for n in groups[i].layer_names))
+                              for i in windows)
+        return cls(attn[0] if attn else None, judged, tuple(i for i in mambas if i != judged), windows,
+                   window_layers)
 
 
 def _judged_layer(layers: list[str]) -> bool:
@@ -371,13 +399,31 @@ def mamba_spec(opts: VllmOptions, layer: str | None = None):
 
 def layer_specs(opts: VllmOptions) -> dict:
     """Layer name -> spec, in the order vLLM groups them (``get_kv_cache_groups`` keeps the order
-    of first appearance, kv_cache_planning.py:416-557): the attention layer, then the Mamba layer(s).
-    One Mamba layout: ``mamba.0``; two: ``<layer>.0`` each, the first the scheduler's first Mamba group."""
+    of first appearance, kv_cache_planning.py:416-557).  Without window layers: the attention layer, then
+    the Mamba layer(s) (one Mamba layout: ``mamba.0``; two: ``<layer>.0`` each, the first the scheduler's
+    first Mamba group).  With them (``opts.layer_kinds``): one spec per layer of the harness's model, in its
+    order, as the model's layers build theirs: ``Attention.get_kv_cache_spec`` gives a window layer a
+    ``SlidingWindowSpec`` of its window (model_executor/layers/attention/attention.py:624-673; gpt-oss makes
+    every even layer one, models/gpt_oss.py:175, Gemma 3 the layers its config names "sliding_attention",
+    models/gemma3.py:153-155), with the primary block size (one page per block for every group here: the
+    same heads and dtype), and the recurrent layers the Mamba spec of ``opts.layer``."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    specs: dict = {"attn.0": FullAttentionSpec(block_size=opts.block_size, num_kv_heads=TINY["attn_kv_heads"],
-                                               head_size=TINY["head_dim"], dtype=torch.float32)}
+    attn: dict[str, Any] = {"block_size": opts.block_size, "num_kv_heads": TINY["attn_kv_heads"],
+                            "head_size": TINY["head_dim"], "dtype": torch.float32}
+    specs: dict = {}
+    if opts.layer_kinds:
+        mamba = mamba_spec(opts) if "R" in opts.layer_kinds else None
+        for i, (kind, window) in enumerate(zip(opts.layer_kinds, opts.layer_windows)):
+            if kind == "R":
+                specs[f"mamba.{i}"] = mamba
+            elif kind == "W":
+                specs[f"swa.{i}"] = SlidingWindowSpec(**attn, sliding_window=window)
+            else:
+                specs[f"attn.{i}"] = FullAttentionSpec(**attn)
+        return specs
+    specs["attn.0"] = FullAttentionSpec(**attn)
     if opts.layer in MIXED_LAYERS:
         for part in MIXED_LAYERS[opts.layer]:
             specs[f"{part}.0"] = mamba_spec(opts, part)
@@ -386,13 +432,19 @@ def layer_specs(opts: VllmOptions) -> dict:
     return specs
 
 
-def build_kv_cache_config(opts: VllmOptions):
-    """One shared pool of ``num_blocks``: one group per layer of :func:`layer_specs` (one layer each,
-    as ``_get_kv_cache_groups_uniform_page_size`` groups a model with one layer of each spec;
-    tests/test_vllm_kda.py checks this against vLLM's own grouping)."""
+def build_kv_cache_config(opts: VllmOptions, vllm_config=None):
+    """One shared pool of ``num_blocks``.  Without window layers: one group per layer of
+    :func:`layer_specs` (one layer each, as ``_get_kv_cache_groups_uniform_page_size`` groups a model with
+    one layer of each spec; tests/test_vllm_kda.py checks it against vLLM's own grouping).  With them: the
+    groups vLLM's own ``get_kv_cache_groups`` makes of the model's layers (``vllm_config`` with its KV cache
+    layout resolved): Gemma 3's five window layers per full one are five window groups."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    return KVCacheConfig(
-        num_blocks=opts.num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec([name], spec) for name, spec in layer_specs(opts).items()],
-        prefix_cache_retention_interval=opts.retention_interval)
+    specs = layer_specs(opts)
+    if opts.layer_kinds:
+        assert vllm_config is not None, "window layers are grouped by vLLM's own grouping"
+        groups = compat.kv_cache_groups(vllm_config, specs)
+    else:
+        groups = [KVCacheGroupSpec([name], spec) for name, spec in specs.items()]
+    return KVCacheConfig(num_blocks=opts.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                         prefix_cache_retention_interval=opts.retention_interval)

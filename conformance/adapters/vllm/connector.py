@@ -132,7 +132,9 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         rid, tokens, B = request.request_id, request.all_token_ids, self.block_size
         best = 0
-        if rid not in self.gave_up:
+        # The store keeps the full attention layers' blocks and the recurrent state, not a window group's:
+        # with window layers it claims nothing (vLLM would allocate window blocks it never fills).
+        if rid not in self.gave_up and not self.adapter.runner.groups.windows:
             p = num_computed_tokens + B
             while p < request.num_tokens:  # at least one token is left to compute
                 if entry_key("kv", tokens, p) not in self.stored:

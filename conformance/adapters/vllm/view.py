@@ -72,8 +72,10 @@ def build_view(pool, registry: HashRegistry, running: tuple[str, ...], managers=
     groups = groups or Groups()
     refs = {b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null}
     owned = owners(pool, managers)
-    kv_refs = {b: n for b, n in refs.items() if owned.get(b, {groups.attn}) != {groups.mamba}}
-    state_refs = {b: n for b, n in refs.items() if owned.get(b, {groups.mamba}) != {groups.attn}}
+    kv_groups = {g for g in (groups.attn, *groups.windows) if g is not None}  # pages of KV, any attention group
+    kv_refs = {b: n for b, n in refs.items() if owned.get(b, kv_groups) - {groups.mamba}}
+    state_refs = {b: n for b, n in refs.items() if not (owned.get(b) and owned[b] <= kv_groups)}
+    window_index = {g: i for i, g in enumerate(groups.windows)}
     kv, states, unknown = [], [], 0
     for key, value in pool.cached_block_hash_to_block._cache.items():
         prefix = registry.prefixes.get(get_block_hash(key))
@@ -84,6 +86,8 @@ def build_view(pool, registry: HashRegistry, running: tuple[str, ...], managers=
         for block in _blocks(value):
             if group == groups.attn:
                 kv.append(CachedKV(block.block_id, prefix))
+            elif group in window_index:
+                kv.append(CachedKV(block.block_id, prefix, window_index[group]))
             elif group == groups.mamba:
                 states.append(CachedState(block.block_id, prefix))
     view = CacheView(kv_refcounts=kv_refs, state_refcounts=state_refs, cached_kv=tuple(kv),

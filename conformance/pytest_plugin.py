@@ -182,7 +182,7 @@ class ConformanceRunner:
         if check_id is None:
             check_id = impl_or_check
         res = self.run_check(check_id)
-        render_check(res, self.verdict().check(check_id), self.impl)
+        render_check(res, self.verdict().check(check_id), self.impl, fail=lambda text: pytest.fail(text, pytrace=False))
         return res
 
     def finish(self, interrupted: bool = False) -> None:
@@ -197,10 +197,14 @@ class ConformanceRunner:
             self.reports.finish(self.result)
 
 
-def render_check(res, verdict, impl_spec: str | None = None) -> None:
+def _raise(text: str):
+    raise CheckFailed(text)
+
+
+def render_check(res, verdict, impl_spec: str | None = None, fail=_raise) -> None:
     """A check's verdict as a pytest outcome: return (passed), ``pytest.xfail``
     (known defects or an expected failure, named), ``pytest.skip`` (its
-    reason), or a failure with the witness (NEW, an unexpected pass or skip)."""
+    reason), or ``fail`` with the witness (NEW, an unexpected pass or skip)."""
     status = verdict.status if verdict is not None else ("new" if res.status in ("failed", "error") else res.status)
     if status == "passed":
         return
@@ -211,10 +215,11 @@ def render_check(res, verdict, impl_spec: str | None = None) -> None:
             if status == "known" else "an expected failure (its expectations entry)"
         pytest.xfail(f"{res.id}: {what}: {verdict.why}")
     if status == "unexpected-pass":
-        raise CheckFailed(f"{res.id}: passed, but the expectations file expects a failure: update the file")
-    if status == "unexpected-skip":
-        raise CheckFailed(f"{res.id}: skipped ({res.reason}), but the expectations file expects a result")
-    raise CheckFailed(failure_text(res, impl_spec))
+        fail(f"{res.id}: passed, but the expectations file expects a failure: update the file")
+    elif status == "unexpected-skip":
+        fail(f"{res.id}: skipped ({res.reason}), but the expectations file expects a result")
+    else:
+        fail(failure_text(res, impl_spec))
 
 
 def failure_text(res, impl_spec: str | None = None) -> str:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top.  A module may import modules of its own package or of a lower
 # layer; packages that share a layer do not import each other.
 LAYERS = (
-    ("conformance.errors",),
+    ("conformance.errors", "conformance.inputs"),
     ("conformance.contract",),
     ("conformance.model",),
     ("conformance.disagg",),  # the two-worker contract: layouts, geometry, descriptors

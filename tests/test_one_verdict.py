@@ -59,6 +59,8 @@ def test_the_verdict_value_and_its_precedence():
                              not_run=["snapshot-reuse"]))
     assert crashed.status == "new" and any("crashed" in why for why in crashed.incomplete)
     assert "INCOMPLETE" in crashed.headline()
+    elsewhere = judge_run(_doc([_c("mid-block-hits", "passed")], expectations={"path": "/nowhere/x-1.toml"}))
+    assert elsewhere.status == "passed" and "is not here" in elsewhere.note  # a file of another machine
 
 
 def test_results_json_junit_and_html_of_a_pending_run_read_incomplete(tmp_path):
@@ -360,3 +362,18 @@ def test_pytest_timeout_still_works_around_guarded_calls(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "2 failed" in out and "Timeout" in out, out
     assert time.monotonic() - start < 60
+
+
+def test_the_engine_level_is_a_kind_of_run():
+    """--impl vllm-engine is prepared by prepare_run and executed by the one execute(), not a second path."""
+    from conformance.errors import UsageError
+    from conformance.suite.options import RunOptions
+    from conformance.suite.prepare import prepare_run
+
+    run = prepare_run(RunOptions(impl="vllm-engine", write_reports=False))
+    assert run.engine is not None and run.checks == () and run.planned_ids == list(run.engine.planned)
+    assert "engine-mid-block:qwen3next-tiny-sharp" in run.planned_ids
+    for bad, flag in ((dict(workers=2), "--workers"), (dict(examples=3), "--examples"),
+                      (dict(profile="standard"), "--profile"), (dict(checks=("mid-block-hits",)), "--check")):
+        with pytest.raises(UsageError, match=flag):
+            prepare_run(RunOptions(impl="vllm-engine", write_reports=False, **bad))

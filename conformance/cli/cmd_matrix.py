@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conformance.cli.common import path_arg
 from conformance.errors import CompareInputError, UsageError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("matrix", help="several runs side by side, one row per run, one column per family")
-    p.add_argument("results", type=Path, nargs="+", help="results.json files or report directories")
-    p.add_argument("--html", type=Path, default=None, metavar="FILE", help="also write the matrix as HTML")
+    p.add_argument("results", type=path_arg, nargs="+", help="results.json files or report directories")
+    p.add_argument("--html", type=path_arg, default=None, metavar="FILE", help="also write the matrix as HTML")
     p.set_defaults(func=main)
 
 
@@ -63,6 +64,10 @@ def main(args) -> int:
     from conformance.results.compare import load_results
     from conformance.results.matrix import format_matrix
 
+    if args.html is not None:  # before any work: a file that cannot be written is a usage error, not a traceback
+        from conformance.suite.prepare import check_output_file
+
+        check_output_file(args.html, "--html", inputs=(*args.results,))
     try:
         rows = [load_results(p) for p in args.results]
     except CompareInputError as exc:

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", default="quick", help="quick, standard or nightly (default quick)")
     p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
     p.add_argument("--mutant", default=None, help="apply one registered mutant to the implementation")
-    p.add_argument("--faults", default="", help="environment faults to inject, comma separated")
+    p.add_argument("--faults", default=None, help="environment faults to inject, comma separated")
     p.add_argument("--examples", type=positive_int, default=None,
                    help="Hypothesis examples per check (overrides profile)")
     p.add_argument("--steps", type=positive_int, default=None,
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
-    if not text:
+    if text is None:
         return None
     i, sep, n = text.partition("/")
     try:
@@ -75,7 +75,7 @@ def options_from(args) -> RunOptions:
     """The run the command line asks for."""
     return RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, report_dir=args.report_dir,
                       checks=tuple(args.check), mutant=args.mutant,
-                      faults=tuple(f for f in args.faults.split(",") if f), timeout=args.timeout,
+                      faults=tuple(args.faults.split(",")) if args.faults is not None else (), timeout=args.timeout,
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
                       block_size=args.block_size, num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots,
                       progress=Progress(), shard=parse_shard(args.shard),

@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from conformance.suite.options import parse_options
+from conformance.suite.options import parse_options, timeout_problem
 
 __all__ = ["parse_options"]  # re-exported: the subcommands import it from here
 
@@ -38,22 +38,56 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
+def call_timeout(text: str) -> float:
+    """An argparse type: an implementation call's timeout in seconds, a finite
+    number above 0 and at most a day (``suite.options.timeout_problem``)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
+    why = timeout_problem(value)
+    if why:
+        raise argparse.ArgumentTypeError(f"{text} {why}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (a size, a price)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
+    return value
+
+
+def path_arg(text: str) -> Path:
+    """An argparse type: a path that names something.  ``Path("")`` is the
+    current directory: an empty argument (an unset variable in a CI script)
+    would silently write or read there."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing (for the current directory, say '.')")
+    return Path(text)
 
 
 def add_impl_options(p) -> None:
     p.add_argument("--impl", default="reference", help="reference, vllm or module:Class (default: reference)")
     p.add_argument("--seed", type=int, default=0, help="one seed reproduces the whole run (default 0)")
-    p.add_argument("--report-dir", type=Path, default=None, help="where to write reports (default reports/<run-id>/)")
-    p.add_argument("--timeout", type=positive_float, default=30.0,
+    p.add_argument("--report-dir", type=path_arg, default=None,
+                   help="where to write reports (default reports/<run-id>/)")
+    p.add_argument("--timeout", type=call_timeout, default=30.0,
                    help="seconds an implementation call may take (default 30)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="implementation option, e.g. interval=8 (JSON values; repeatable)")

@@ -55,6 +55,8 @@ class Stepping:
 
         def _settle(self) -> CacheView: ...
 
+        def _view(self) -> CacheView: ...
+
     def _step(self, budget: int, transfers: bool = False) -> None:
         """One step; with ``transfers``, also one without an active request
         while transfers are in flight (they complete only in a step)."""
@@ -71,7 +73,7 @@ class Stepping:
             self._without_requests(plan)
             return
         self._stalled = 0
-        view = self.plan_view = self.call("view")
+        view = self.plan_view = self._view()
         self._validate(plan)
         self.checkers.notify(Scheduled(plan, view))
         try:
@@ -116,7 +118,7 @@ class Stepping:
         # checkers see what the cache held then (an entry evicted by another
         # request's load destinations is neither on the device nor, its
         # offload not run yet, in the host store).
-        self.checkers.notify(Scheduled(plan, self.call("view") if progress else None))
+        self.checkers.notify(Scheduled(plan, self._view() if progress else None))
         if progress:
             # requests wait for their loads (or copies prepare them): progress, not a stall
             self._stalled = 0

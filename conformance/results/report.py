@@ -42,6 +42,7 @@ class ReportDir:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock()
+            clear_previous_run(self.path)  # held now: only this run writes here from here on
         except OSError as exc:
             raise UsageError(f"--report-dir {self.path}: cannot write there: {exc.strerror or exc}") from None
         return self
@@ -93,6 +94,53 @@ class ReportDir:
             result.metrics["plots_missing"] = why
         self.write(result)
         self.close()
+
+
+# What a run writes at the top of its report directory (each also as ``<name>.tmp`` while written).
+RUN_FILES = ("results.json", "junit.xml", "index.html", "cache-metrics.png")
+
+
+def clear_previous_run(out: Path) -> list[Path]:
+    """Remove what an earlier run left in ``out``, so that the directory holds
+    only the run about to write there: its results, JUnit, HTML and plot, and
+    its repro files (``repros/*.json``, ``repros/known/<defect>/*.json``),
+    each recognized as the suite's by name and, for a repro, by its schema.
+    A repro of the earlier run that stayed would sit beside this run's
+    results as if this run had found it (and the HTML and a reader of the
+    folder would take it for one).  Anything else (a user's notes, another
+    tool's files, ``economics --report-dir`` output) stays.  Returns what went."""
+    gone = []
+    for name in RUN_FILES:
+        for path in (out / name, out / (name + ".tmp")):
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+                gone.append(path)
+    repros = out / "repros"
+    if repros.is_dir() and not repros.is_symlink():
+        folders = [repros, *(sorted(p for p in (repros / "known").glob("*") if p.is_dir() and not p.is_symlink())
+                             if (repros / "known").is_dir() and not (repros / "known").is_symlink() else [])]
+        for folder in folders:
+            for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*.json.tmp")):
+                if path.is_file() and not path.is_symlink() and _is_repro(path):
+                    path.unlink()
+                    gone.append(path)
+        for folder in reversed([*folders[:1], repros / "known", *folders[1:]]):
+            try:
+                folder.rmdir()  # only when nothing else is left in it
+            except OSError:
+                pass
+    return gone
+
+
+def _is_repro(path: Path) -> bool:
+    """Whether ``path`` is a repro file this suite wrote (cache or engine level), by its schema."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    # written by json.dumps(doc, indent=2): the schema is the first key, on the second line
+    return b'"schema": "hybrid-cache-conformance/' in head
 
 
 def _owner(lock: Path) -> int | None:

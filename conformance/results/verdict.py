@@ -23,6 +23,7 @@ incomplete too (``incomplete`` is never empty for it)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from conformance.results.records import CheckVerdict, PinnedVerdict, RunResult, RunVerdict
@@ -34,11 +35,15 @@ def judge_run(result: RunResult | dict, expectations: str | Path | None = None) 
     ``expectations`` (default: the file the run recorded, if any)."""
     doc = result.to_dict() if isinstance(result, RunResult) else result
     path = expectations or ((doc.get("expectations") or {}).get("path"))
+    missing = ""
+    if path and not Path(path).is_file():  # a results.json from another machine names a file not here
+        missing, path = f"the expectations file {path} is not here: the raw verdict (every failure counts as NEW)", None
     if path:
         triage = judge_cached(doc, path)
     else:
         triage = judge(doc, {})  # the raw verdict: no known defect, no expectation; every failure NEW
-    return _verdict(doc, triage, str(path) if path else None)
+    verdict = _verdict(doc, triage, str(path) if path else None)
+    return replace(verdict, note=missing) if missing else verdict
 
 
 def _verdict(doc: dict, triage: Verdict, path: str | None) -> RunVerdict:

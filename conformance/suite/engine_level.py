@@ -69,6 +69,10 @@ def prepare_engine(opts, plan: EnginePlan):
     # a file named on the command line is validated now; the one written for the engine's version is
     # found after the run, when an engine has said its version
     expectations = load_for_run(opts.expectations, engine_check_ids()) if opts.expectations else None
+    if expectations is not None:  # another engine's file is a usage error (conformance.suite.known)
+        from conformance.suite.known import check_expectations_engine
+
+        check_expectations_engine(expectations.doc, expectations.path, opts.impl, IMPLEMENTATION)
     report_dir = None
     if opts.write_reports:
         report_dir = Path(opts.report_dir) if opts.report_dir is not None else default_report_dir(opts.impl, opts.seed)

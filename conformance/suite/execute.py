@@ -159,6 +159,10 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                                                     FailureKind.NONDETERMINISTIC) \
             and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
         minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
+    if failure is not None and failure.kind == FailureKind.TIMEOUT and failure.operations:
+        from conformance.suite.minimize import HANG_NOT_MINIMIZED
+
+        notes.append(HANG_NOT_MINIMIZED)
     met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)
     kept = window_blocks_kept(spec, recorder.coverage)  # a cache that never lets a window block go
     if kept:

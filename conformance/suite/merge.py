@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from conformance.errors import CompareInputError
+from conformance.errors import CompareInputError, UsageError
 from conformance.results.compare import load_results
 from conformance.results.records import RunResult, result_from_dict
 from conformance.suite.checks import CATALOGUE
@@ -27,6 +27,8 @@ _ORDER = {spec.id: i for i, spec in enumerate(CATALOGUE)}
 def merge(out: Path, dirs: list[Path]) -> RunResult:
     from conformance.results.report import ReportDir
 
+    if any(Path(d).resolve() in (out.resolve(), out.resolve() / "results.json") for d in dirs):
+        raise CompareInputError(f"{out}: is one of the shards; merge into another directory")
     docs = [load_results(d) for d in dirs]
     if not docs:
         raise CompareInputError("nothing to merge")
@@ -47,7 +49,9 @@ def merge(out: Path, dirs: list[Path]) -> RunResult:
     merged = result_from_dict(first)
     merged.checks, merged.faults, merged.not_run, merged.not_run_reasons = [], {}, [], {}
     merged.shard, merged.unsplit, merged.verdict, merged.planned = "", [], None, []
-    out.mkdir(parents=True, exist_ok=True)
+    # Held, and what an earlier merge (or run) left there cleared, before anything is copied in (a lock
+    # left by a merge that raised below is taken over: its process is gone).
+    reports = ReportDir(out).open()
     (out / "repros").mkdir(exist_ok=True)
     seen = set()
     unfinished = False
@@ -111,8 +115,8 @@ def merge(out: Path, dirs: list[Path]) -> RunResult:
     from conformance.results.verdict import judge_run
 
     merged.verdict = judge_run(merged)
-    with ReportDir(out) as reports:
-        reports.write(merged)
+    reports.write(merged)
+    reports.close()
     return merged
 
 
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = merge(Path(argv[0]), [Path(a) for a in argv[1:]])
-    except CompareInputError as exc:
+    except UsageError as exc:  # a bad shard, or an OUT another run holds
         print(f"merge: error: {exc}", file=sys.stderr)
         return 2
     s = result.to_dict()["summary"]

@@ -67,10 +67,18 @@ class Layout:
     block_size: int  # tokens per KV block (attention layers)
     num_kv_blocks: int  # physical KV blocks
     num_state_slots: int  # physical recurrent state slots (conv + matrix state each)
+    # Per-layer window groups (optional): a partition of the model's W layers (their indices among the
+    # W layers, in layer order; ``ImplConfig.layer_windows`` says each one's window), each group of one
+    # window, read and written through one table.  Empty: one group per distinct window
+    # (``ImplConfig.windows``).  vLLM gives each *layer group* its own table (``get_kv_cache_groups``: a
+    # Gemma 3 pattern of 5 window layers and 1 full layer is five window groups of one window); then
+    # ``RequestStep.window_tables``, ``CachedKV.window_group`` and ``Transfer.window_group`` index these.
+    window_layer_groups: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_kv_blocks < 1 or self.num_state_slots < 1:
             raise ValueError(f"layout values must be positive: {self}")
+        object.__setattr__(self, "window_layer_groups", tuple(tuple(g) for g in self.window_layer_groups))
 
 
 @dataclass(frozen=True)
@@ -86,10 +94,16 @@ class ImplConfig:
     # The model's window groups: the window W of each (a layer of group g at
     # position q reads [q - W + 1, q]); empty for a model without window layers.
     windows: tuple[int, ...] = ()
+    # The model's layers, for a cache that lays out its groups per layer (vLLM: one KV cache group per
+    # layer group, ``Layout.window_layer_groups``): the kind of each (R recurrent, A full attention, W
+    # window) and each one's window (0 for R and A).  Given with ``windows``, for a model with window layers.
+    layer_kinds: str = ""
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.windows, list):  # from a repro file
-            object.__setattr__(self, "windows", tuple(self.windows))
+        for name in ("windows", "layer_windows"):
+            if isinstance(getattr(self, name), list):  # from a repro file
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -162,7 +176,8 @@ class RequestStep:
     # extended in place through every draft, and the implementation restores what
     # it rejected itself (a snapshot at ``end``, then recomputing from there).
     draft_slots: tuple[int, ...] = ()
-    # Sliding-window layers: one block table per window group (ImplConfig.windows),
+    # Sliding-window layers: one block table per window group (ImplConfig.windows, or the groups the
+    # implementation declares in Layout.window_layer_groups),
     # read like ``block_table`` for the positions a window layer reads: a step
     # [start, end) of group g (window W) reads [max(0, start - W + 1), start) and
     # writes [start, end) (through its drafts).  Entries for blocks wholly before

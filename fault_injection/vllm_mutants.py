@@ -148,6 +148,101 @@ def fix_sub_block_boundary_stop(adapter):
     return adapter
 
 
+def kda_checkpoint_unaligned(adapter):
+    """SNAP: vllm#53212 reverted.  The Mamba manager of the group the harness's recurrent layers live
+    in (KDA's, FlashKDA alignment 16) decides to allocate an internal prefill checkpoint block without
+    the chunk's start: ``_needs_internal_checkpoint`` no longer enforces the start-alignment invariant
+    (``is_mamba_prefill_checkpoint_valid`` on the query start, v1/core/single_type_kv_cache_manager.py:
+    1659-1690), so a checkpoint whose offset into the chunk FlashKDA cannot export (not a multiple of
+    16) gets a block and a prefix-cache hash although the worker never writes it
+    (``compute_mamba_prefill_checkpoints`` declines it, layers/mamba/checkpoint.py:21-63).  In 0.33 a
+    scheduler that uses KDA's own alignment stops such a chunk at the block boundary first, so the
+    path is reached where the scheduler's alignment is another Mamba group's (the first one's,
+    scheduler.py:435-443): the run sets ``layer=mamba2+kda``."""
+    _check(adapter)
+    from vllm.utils.math_utils import cdiv
+
+    manager = adapter.scheduler.kv_cache_manager.coordinator.single_type_managers[adapter.runner.groups.mamba]
+
+    def needs_internal_checkpoint(request_id, query_start, query_end, checkpoint_position, prefill_end):
+        # Before the fix the manager had no query start (#53212: "Pass total_computed_tokens through
+        # KV-cache allocation so _needs_internal_checkpoint can enforce the same start-alignment
+        # invariant as scheduling"): it checked the checkpoint against the chunk's end alone.
+        idx = cdiv(query_end, manager.block_size) - 2
+        blocks = manager.req_to_blocks[request_id]
+        return (manager.has_prefill_checkpoint_blocks and query_end >= prefill_end
+                and 0 < checkpoint_position < query_end and idx >= 0
+                and (idx >= len(blocks) or blocks[idx].is_null
+                     or (request_id in manager._allocated_block_reqs
+                         and idx >= len(blocks) - manager.num_speculative_blocks)))
+
+    manager._needs_internal_checkpoint = needs_internal_checkpoint  # instance attribute only
+    return adapter
+
+
+def window_freed_in_flight(adapter):
+    """RACE: vllm#47728 reverted, as a synchronous engine meets it.  ``remove_skipped_blocks`` frees a
+    sliding-window group's blocks on the optimistic computed count: the step being scheduled is counted as
+    computed, so the blocks its first tokens' windows still read are freed (and may be handed out again)
+    before it runs.  vLLM 0.33 frees on the processed count, ``num_computed - num_in_flight``
+    (kv_cache_manager.py:557-568); with async scheduling the optimistic count was the in-flight step's, here
+    it is the step the scheduler is allocating.  Every window group's manager of one adapter instance."""
+    _check(adapter)
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    km = adapter.scheduler.kv_cache_manager
+    ahead: dict[str, int] = {}
+    allocate = km.allocate_slots
+
+    def allocate_slots(request, num_new_tokens, *args, **kw):
+        ahead[request.request_id] = num_new_tokens
+        try:
+            return allocate(request, num_new_tokens, *args, **kw)
+        finally:
+            ahead.pop(request.request_id, None)
+
+    km.allocate_slots = allocate_slots  # instance attribute only
+    for manager in km.coordinator.single_type_managers:
+        if isinstance(manager, SlidingWindowManager):
+            remove = manager.remove_skipped_blocks
+
+            def remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens=None, _remove=remove):
+                return _remove(request_id, processed_computed_tokens + ahead.get(request_id, 0), num_prompt_tokens)
+
+            manager.remove_skipped_blocks = remove_skipped_blocks  # type: ignore[method-assign]  # the instance only
+    return adapter
+
+
+def window_eagle_drop_after_finder(adapter):
+    """HIT: vllm#17398 reverted.  EAGLE's "drop the last matched block" is applied after the sliding-window
+    finder instead of inside it: the finder looks for the window's contiguous blocks without the extra one
+    (``_contiguous_blocks_for_hit`` adds it with EAGLE, single_type_kv_cache_manager.py:956-967) and the last
+    block is popped afterwards, so [NULL, NULL, A, B] becomes [NULL, NULL, A]: the hit's window is one
+    block short.  Needs EAGLE's block-drop path (vLLM 0.33 without lookahead block hashes: the run sets
+    ``spec_lookahead_hashes=false``); the speculative window check meets it."""
+    _check(adapter)
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    coord = adapter.scheduler.kv_cache_manager.coordinator
+    for idx, group in enumerate(coord.attention_groups):
+        if not isinstance(group.spec, SlidingWindowSpec):
+            continue
+        base: Any = group.manager_cls
+
+        class DropAfterFinder(base):  # a subclass per adapter: vLLM's class itself is not touched
+            @classmethod
+            def find_longest_cache_hit(cls, *args, drop_eagle_block=False, **kw):
+                blocks, hit = super().find_longest_cache_hit(*args, drop_eagle_block=False, **kw)
+                if drop_eagle_block and blocks and blocks[0]:
+                    for table in blocks:
+                        table.pop()
+                    hit -= kw["kv_cache_spec"].block_size
+                return blocks, hit
+
+        coord.attention_groups[idx] = group._replace(manager_cls=DropAfterFinder)
+    return adapter
+
+
 VLLM_MUTANTS: dict[str, Callable] = {
     "vllm-state-wrong-position": state_wrong_position,
     "vllm-groups-not-reconciled": groups_not_reconciled,
@@ -155,6 +250,9 @@ VLLM_MUTANTS: dict[str, Callable] = {
     "vllm-sub-block-copy-dropped": sub_block_copy_dropped,
     "vllm-sub-block-hit-one-token-long": sub_block_hit_one_token_long,
     "vllm-fix-sub-block-boundary-stop": fix_sub_block_boundary_stop,
+    "vllm-kda-checkpoint-unaligned": kda_checkpoint_unaligned,
+    "vllm-window-freed-in-flight": window_freed_in_flight,
+    "vllm-window-eagle-drop-after-finder": window_eagle_drop_after_finder,
 }
 
 
@@ -170,7 +268,9 @@ VLLM_MUTANTS: dict[str, Callable] = {
 OPTIONS: dict[str, dict] = {"vllm-local-tail-kept": {"connector": True, "prefix_match_unit": 1, "layer": "gdn"},
            "vllm-sub-block-copy-dropped": {"prefix_match_unit": 1},
            "vllm-sub-block-hit-one-token-long": {"prefix_match_unit": 1},
-           "vllm-fix-sub-block-boundary-stop": {"prefix_match_unit": 1}}
+           "vllm-fix-sub-block-boundary-stop": {"prefix_match_unit": 1},
+           "vllm-kda-checkpoint-unaligned": {"layer": "mamba2+kda"},
+           "vllm-window-eagle-drop-after-finder": {"spec_lookahead_hashes": False}}
 FIXES = {"vllm-fix-sub-block-boundary-stop": "subblock-registration"}
 
 for _name, _apply in VLLM_MUTANTS.items():

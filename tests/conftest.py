@@ -45,3 +45,18 @@ def machine(monkeypatch, model):
         return m
 
     return build
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After a run that included the registry gate: what it exempts, and why (a skipped check is not a
+    pass, and neither is an exempted one: the list is said out loud, docs/registry-gate.md)."""
+    ran = any("test_registry_gate" in getattr(r, "nodeid", "")
+              for reports in terminalreporter.stats.values() for r in reports if hasattr(r, "nodeid"))
+    if not ran:
+        return
+    from registry_gate import EXEMPTIONS, exemption_lines
+
+    lines = exemption_lines()
+    terminalreporter.section(f"registry gate: {len(lines)} exempted ({EXEMPTIONS.relative_to(EXEMPTIONS.parents[1])})")
+    for line in lines:
+        terminalreporter.write_line(line)

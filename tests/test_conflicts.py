@@ -105,3 +105,16 @@ def test_two_verifications_of_one_sequence_write_the_same_bytes():
     plan = StepPlan((drafting("a", 7, 8, [0, 1, 2], 0, [5, 6], [2, 3]),
                      drafting("c", 7, 8, [0, 1, 2], 1, [5, 6], [4, 5])))
     assert plan_conflicts(plan, B, tokens) == []
+
+
+def test_a_hit_on_what_an_earlier_request_of_the_step_writes_for_the_same_sequence():
+    """vLLM hashes full-attention blocks when it allocates them, so a request of a step may hit a block
+    another request of that step is computing (a model without recurrent layers: MambaManager refuses
+    such a hit); an engine's batch writes a layer's KV for every request before any reads it.  Allowed
+    when the writer comes first in the plan (the runner's order) and writes the very position read."""
+    same = {"a": A_TOKENS, "c": A_TOKENS}
+    writer_first = StepPlan((step("a", 4, 8, [0, 1], 0, RESUME), step("c", 6, 8, [0, 1], 1, copy_from(5))))
+    assert plan_conflicts(writer_first, B, same) == []
+    reader_first = StepPlan(tuple(reversed(writer_first.requests)))
+    assert any("part of its reused prefix" in p for p in plan_conflicts(reader_first, B, same))
+    assert any("part of its reused prefix" in p for p in plan_conflicts(writer_first, B, TOKENS | {"c": B_TOKENS}))

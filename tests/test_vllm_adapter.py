@@ -259,8 +259,11 @@ def test_mutant_is_caught(model, oracle, mutant):
 
 # The sub-block mutants are planted under sub-block matching beside the known sub-block defects, a path this
 # hand-written tier history (whole-block hits) does not take: the state machine test below catches them there.
+# So is the KDA checkpoint mutant (vllm#53212 reverted), which needs two Mamba groups (layer=mamba2+kda), and
+# so are the window mutants, which need a model with window layers.
 @pytest.mark.parametrize("mutant", sorted(m for m in set(VLLM_MUTANTS) - set(FIXES)
-                                           if not m.startswith("vllm-sub-block-")))
+                                           if not m.startswith("vllm-sub-block-") and "kda" not in m
+                                           and "window" not in m))
 @pytest.mark.parametrize("divergent", [False, True])
 def test_mutant_is_caught_with_a_tier(model, oracle, mutant, divergent):
     s = make_tiered(model, oracle, divergent, mutant=mutant)
@@ -318,8 +321,11 @@ def test_state_machine_catches_every_vllm_mutant(mutant, tmp_path):
     from conformance.suite.run import RunOptions
     from fault_injection.catalog import get_mutant
 
-    entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=("mid-block-hits", "multi-turn-replay")),
-                       tmp_path / mutant)
+    # The window mutants live where window layers are: the window family's checks (a model with them).
+    checks = {"vllm-window-freed-in-flight": ("window-reuse",),
+              "vllm-window-eagle-drop-after-finder": ("window-spec",)}.get(mutant,
+                                                                            ("mid-block-hits", "multi-turn-replay"))
+    entry = run_mutant(get_mutant(mutant), RunOptions(impl="vllm", checks=checks), tmp_path / mutant)
     assert entry["detected"], entry["not_detections"]
     # contract: a plan the conflict rules refuse at schedule() time (harness/conflicts.py), which a
     # correct cache never makes: the same bug named one step before its wrong logits
@@ -536,7 +542,9 @@ def test_configuration_matrix_expands_each_check():
     assert parse_variant_id(spec.id) == ("retention-policy", {"interval": None, "prefix_match_unit": 1})
     user = expand(planned, VllmCache, {"prefix_match_unit": 1})
     assert [s.id for _, s in user if s.family == "multi-turn"] == [
-        "multi-turn-replay", "multi-turn-replay[connector=divergent]"]
+        "multi-turn-replay", "multi-turn-replay[connector=divergent]", "multi-turn-replay[layer=kda]"]
+    assert {"retention-hit-rate[interval=8,layer=mamba2+kda]", "retention-hit-rate[interval=8,layer=kda+mamba2]",
+            "multi-turn-replay[layer=kda]"} <= set(ids)
 
 
 # -- prefill/decode: two vLLM Schedulers with the NixlConnector's scheduler side -------------------

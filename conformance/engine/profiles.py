@@ -43,7 +43,11 @@ PROFILES: dict[str, dict] = {
                           # Heterogeneous TP: prefill on 2 ranks (gloo), decode on 1.  vLLM's CPU
                           # workers cannot auto-bind 2 ranks on one NUMA node, hence one core each.
                           ("qwen3next-tiny-sharp", "pd-prefill-tp2", ("pd",),
-                           {"pd_prefill": {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}})]},
+                           {"pd_prefill": {"tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}}),
+                          # Sliding windows (issue 35): Gemma 3's five window layers per full one, six KV cache
+                          # groups; blocks of 32 so that a window of 48 lets blocks go (the CPU default, 128,
+                          # would hold every window in one block).
+                          ("gemma3-window-tiny-sharp", "", ALL, {"block_size": 32})]},
     # CUDA: bf16 weights with the recurrent state in fp32 (what both engines
     # test with) and in bf16 (known to make cold and hit runs diverge); the
     # comparison is statistical there, since GPU kernels are batch-variant.

@@ -60,7 +60,7 @@ class CheckSpec:
         if self.model is not None:  # the cache is told the model's window groups
             from conformance.model import ModelConfig
 
-            base["windows"] = ModelConfig.fixture(self.model).window_groups
+            base.update(ModelConfig.fixture(self.model).window_facts())
         base.update({k: v for k, v in overrides.items() if v is not None})
         return ImplConfig(**base)
 

@@ -16,7 +16,11 @@ happens to read the bytes):
 - a KV position (block, offset) written by two requests for different
   sequences, or written by one and read by another (a hit on what the step
   has not computed yet), through any of their block tables: a block id is one
-  page for every group (the full layers', each window group's).
+  page for every group (the full layers', each window group's).  One read is
+  allowed: of the same sequence's same position, by a request the plan lists
+  after the writer (the runner computes in plan order; an engine's batch writes
+  a layer's KV for every request before any reads it, and vLLM gives a hit on
+  full-attention blocks another request of the step is computing).
 
 A step that verifies drafts writes through them: its draft slots (one per
 draft) and the KV positions ``[end, end + len(drafts))``, for the sequence
@@ -122,6 +126,12 @@ def _kv_conflicts(w: RequestStep, r: RequestStep, blocks: set[int], B: int, toke
                 continue
             at, w_what = hit
             if pos < r.start:
+                if report_writes and tokens[w.request_id][: at + 1] == tokens[r.request_id][: pos + 1]:
+                    # The writer comes first in the plan, which the runner computes in order, and writes the
+                    # very position the reader reuses: an engine's batch writes every request's KV of a layer
+                    # before any request of the batch reads it (vLLM: reshape_and_cache, then attention), and
+                    # vLLM gives a hit on full-attention blocks a request of the same step is computing.
+                    continue
                 return [f"KV block {b} offset {pos % B} is written by {w.request_id}{w_what} (position {at}) and read "
                         f"by {r.request_id}{r_what} (position {pos}, part of its reused prefix) in one step: what it "
                         f"reads depends on the order the step computes them"]

@@ -31,6 +31,23 @@ Prefix = tuple[int, ...]
 POISON = float("nan")
 
 
+def declared_groups(groups: tuple[tuple[int, ...], ...], layer_windows: tuple[int, ...]):
+    """``(window of each group, group of each W layer)`` for a cache's declared layer groups: a
+    partition of the W layers (indices among them, in layer order), each group of one window."""
+    flat = sorted(i for g in groups for i in g)
+    if flat != list(range(len(layer_windows))) or any(not g for g in groups):
+        raise ContractError(f"Layout.window_layer_groups {groups} is not a partition of the model's "
+                            f"{len(layer_windows)} window layers (indices 0..{len(layer_windows) - 1})")
+    windows = []
+    for g in groups:
+        seen = {layer_windows[i] for i in g}
+        if len(seen) != 1:
+            raise ContractError(f"Layout.window_layer_groups: group {g} mixes windows {sorted(seen)}")
+        windows.append(seen.pop())
+    of_layer = {i: n for n, g in enumerate(groups) for i in g}
+    return tuple(windows), tuple(of_layer[i] for i in range(len(layer_windows)))
+
+
 class Memory:
     def __init__(self, layout: Layout, model: ModelConfig, dtype: torch.dtype = torch.float64,
                  device: str = "cpu"):
@@ -58,6 +75,9 @@ class Memory:
         # per distinct window, ModelConfig.window_groups; a finer grouping gives each group its table).
         self.windows: tuple[int, ...] = c.window_groups
         self.layer_groups: tuple[int, ...] = tuple(self.windows.index(w) for w in c.layer_windows if w)
+        if layout.window_layer_groups:  # the cache's own layer groups (Layout.window_layer_groups)
+            self.windows, self.layer_groups = declared_groups(layout.window_layer_groups,
+                                                              tuple(w for w in c.layer_windows if w))
         self.win = [poisoned(self.layer_groups.count(g), layout.num_kv_blocks, B, 2, c.attn_heads, c.head_dim)
                     for g in range(len(self.windows))]
         self.win_prov: list[list[list[Prefix | None]]] = [[[None] * B for _ in range(layout.num_kv_blocks)]

@@ -36,7 +36,7 @@ from conformance.contract import (
     Transfer,
     missing_methods,
 )
-from conformance.errors import ConformanceFailure
+from conformance.errors import ConformanceFailure, ContractError
 from conformance.harness.checker import Aborted, Checker, CheckerSet, Settled, Submitted
 from conformance.harness.guard import guarded
 from conformance.harness.history import History
@@ -81,7 +81,10 @@ class Session(Stepping, PoolProbe):
         self.layout: Layout = self.call("layout")
         if not isinstance(self.layout, Layout):
             raise ConformanceFailure("contract", f"layout() returned {type(self.layout).__name__}, not Layout")
-        self.memory = Memory(self.layout, self.model.config, self.model.dtype, str(self.model.device))
+        try:
+            self.memory = Memory(self.layout, self.model.config, self.model.dtype, str(self.model.device))
+        except ContractError as exc:  # a layout memory cannot hold (its declared window groups)
+            raise ConformanceFailure("contract", f"layout(): {exc}") from None
         self.runner = Runner(self.model, self.memory)
         self.runner.transport.history = self.history
         self.tracks: dict[str, Track] = {}

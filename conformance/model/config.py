@@ -78,6 +78,13 @@ class ModelConfig:
         layers of one ``SlidingWindowSpec``."""
         return tuple(dict.fromkeys(w for w in self.layer_windows if w))
 
+    def window_facts(self) -> dict:
+        """What a cache is told of a model with window layers (``ImplConfig.windows``, ``layer_kinds``,
+        ``layer_windows``); nothing for a model without them (its ImplConfig stays what it was)."""
+        if not self.window_groups:
+            return {}
+        return {"windows": self.window_groups, "layer_kinds": self.layer_kinds, "layer_windows": self.layer_windows}
+
     def window_group_layers(self, group: int) -> int:
         """How many W layers window group ``group`` holds."""
         return sum(1 for w in self.layer_windows if w == self.window_groups[group])

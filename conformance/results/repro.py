@@ -153,9 +153,12 @@ def _parse_impl_config(data: dict) -> ImplConfig:
         if key == "options":
             if not isinstance(value, dict):
                 raise ReproFormatError("impl_config.options: must be an object")
-        elif key == "windows":
+        elif key in ("windows", "layer_windows"):
             if not isinstance(value, list) or any(not isinstance(w, int) or isinstance(w, bool) for w in value):
-                raise ReproFormatError("impl_config.windows: must be a list of integers")
+                raise ReproFormatError(f"impl_config.{key}: must be a list of integers")
+        elif key == "layer_kinds":
+            if not isinstance(value, str) or set(value) - set("RAW"):
+                raise ReproFormatError("impl_config.layer_kinds: must be a string of R, A and W")
         elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ReproFormatError(f"impl_config.{key}: must be a positive integer")
     return ImplConfig(**{k: v for k, v in data.items() if v is not None})

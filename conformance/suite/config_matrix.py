@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 from conformance.errors import UsageError
 from conformance.generate.spec import CheckSpec
@@ -89,11 +90,28 @@ def _split(text: str) -> list[str]:
     return [p for p in parts if p]
 
 
+# Variant keys the harness takes for itself, never passed to the implementation: the model fixture the check
+# runs on (a check of window layers on another window pattern: vLLM builds its groups from the model,
+# gpt-oss's alternating layers or Gemma 3's five local per global) and the KV pool it asks for (vLLM gives
+# each layer group its own blocks of the one pool: Gemma 3's shape holds six tables where the reference holds
+# one).  The variant then draws from that model and pool: its id says so.
+HARNESS_KEYS = {"model": str, "num_kv_blocks": int}
+
+
 def variant(spec: CheckSpec, options: dict) -> CheckSpec:
-    """The check under ``options`` (added to, and overriding, the check's own)."""
+    """The check under ``options`` (added to, and overriding, the check's own); ``model`` and
+    ``num_kv_blocks`` (:data:`HARNESS_KEYS`) set what the check runs on instead."""
     if not options:
         return spec
-    return replace(spec, id=variant_id(spec.id, options), options={**spec.options, **options})
+    rest = {k: v for k, v in options.items() if k not in HARNESS_KEYS}
+    fields: dict[str, Any] = {}
+    for key, kind in HARNESS_KEYS.items():
+        if key in options:
+            value = options[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise UsageError(f"check {spec.id!r}: {key} must be a {kind.__name__}, got {value!r}")
+            fields[key] = value
+    return replace(spec, id=variant_id(spec.id, options), options={**spec.options, **rest}, **fields)
 
 
 def option_sets(factory, spec: CheckSpec) -> tuple[dict, ...]:

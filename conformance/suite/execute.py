@@ -87,8 +87,8 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
                            options=parse_variant_id(spec.id)[1],
                            reason="the implementation has no speculative decoding (no spec_option class attribute)")
     asked = check_impl_config(spec, run.impl_options, run.pools, tier_option, spec_option)
-    if res.model.config.window_groups and not asked.windows:  # a run's own model with window layers
-        asked = replace(asked, windows=res.model.config.window_groups)
+    if res.model.config.window_groups and not asked.layer_kinds:  # a run's own model with window layers
+        asked = replace(asked, **res.model.config.window_facts())
     if spec.observe and isinstance(factory, type) and not callable(getattr(factory, "retention", None)):
         return _no_retention(spec, asked)  # known without building it (its options may not be this check's)
     try:

@@ -127,10 +127,29 @@ def prefill_checkpoint_fields(layer: str) -> dict:
       ``QwenGatedDeltaNetAttention.get_kv_cache_spec``
       (layers/mamba/gdn/qwen_gdn_linear_attn.py:739-760), which adds checkpoint
       blocks only with the FlashInfer prefill backend (CUDA SM90 and up,
-      :688-696); 0.30.0-0.32.0 have no override."""
+      :688-696); 0.30.0-0.32.0 have no override.
+    - ``kda``: ``KimiK3DeltaAttention.get_kv_cache_spec`` with the FlashKDA prefill
+      backend: one checkpoint block at ``kda_prefill_checkpoint_alignment("flashkda")``
+      = 16 (0.33.0: models/kimi_k3/nvidia/kda.py:901-909, layers/mamba/kda_checkpoint.py:9-10;
+      0.30.0 :805 and 0.31.0 :747, per the note above)."""
     if layer == "mamba2" and since("0.32.0"):
         return {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+    if layer == "kda":
+        return {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": kda_checkpoint_alignment()}
     return {}
+
+
+def kda_checkpoint_alignment() -> int:
+    """FlashKDA's checkpoint alignment, from the installed release's own helper
+    where it has one (0.33.0: layers/mamba/kda_checkpoint.py), else the 16 its
+    kda.py writes in place."""
+    try:
+        from vllm.model_executor.layers.mamba.kda_checkpoint import kda_prefill_checkpoint_alignment
+    except ImportError:
+        return 16
+    alignment = kda_prefill_checkpoint_alignment("flashkda")
+    assert alignment is not None
+    return alignment
 
 
 # -- where a prompt's state is kept ---------------------------------------------------------------
@@ -342,3 +361,13 @@ def drops_eagle_block(vllm_config) -> bool:
     :122-124), and from 0.33.0 only without hash lookahead (:107-111)."""
     sc = vllm_config.speculative_config
     return sc is not None and sc.use_eagle_block_drop() and not hash_lookahead_tokens(vllm_config)
+
+
+def kv_cache_groups(vllm_config, specs: dict) -> list:
+    """vLLM's own grouping of a model's layers into KV cache groups (``get_kv_cache_groups``:
+    v1/core/kv_cache_planning.py in 0.33.0, v1/core/kv_cache_utils.py before)."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+    except ImportError:
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_groups  # type: ignore[no-redef,attr-defined]
+    return get_kv_cache_groups(vllm_config, dict(specs))

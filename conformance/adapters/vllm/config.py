@@ -20,6 +20,18 @@ numbers below are vllm 0.33.0's:
   prefill at the prompt's checkpoint and the worker exports that state from
   inside the step (``layer="mamba2"``, the default here).  0.30.0 and 0.31.0
   keep the base spec (:func:`.compat.prefill_checkpoint_fields`).
+- ``KimiK3DeltaAttention.get_kv_cache_spec`` (models/kimi_k3/nvidia/kda.py:901-909,
+  ``layer="kda"``): the GDN base spec (``mamba_type`` GDN_ATTN, inherited) with
+  one prefill checkpoint block at alignment 16 when the prefill backend is
+  FlashKDA (``kda_prefill_checkpoint_alignment``, layers/mamba/kda_checkpoint.py:9-10;
+  FlashKDA is what ``resolve_kda_prefill_backend`` picks on CUDA SM90+, kda.py:486-526),
+  state shapes from ``MambaStateShapeCalculator.kda_state_shape`` (one conv state
+  over q, k and v, equal thirds, which the forward splits, kda.py:1197; a
+  ``(heads, d, d)`` recurrent state) and dtypes from ``kda_state_dtype``: the
+  recurrent state float32 when ``mamba_ssm_cache_dtype`` is "auto" (mamba_utils.py:133-149).
+  KDA does not override ``get_prefill_checkpoint_alignment``, so the block size is
+  not rounded to 16 (platforms/interface.py:1090-1094): with this model's block
+  of 8 a checkpoint 8 tokens after a chunk's start is one FlashKDA cannot export.
 - ``QwenGatedDeltaNetAttention.get_kv_cache_spec``
   (layers/mamba/gdn/qwen_gdn_linear_attn.py:739-760, 0.33.0 only) adds them only
   with the FlashInfer prefill backend (CUDA SM90/SM100, lines 688-696); on a
@@ -50,7 +62,15 @@ from conformance.adapters.vllm.tiny_model import MAX_MODEL_LEN_CEILING, model_co
 from conformance.contract import ImplConfig
 
 ADMISSIONS = ("second-hit", "always")
-LAYERS = ("mamba2", "gdn")
+# Two Mamba groups beside attention: MambaMixer2's and KDA's, in that order or the other.  vLLM's scheduler
+# takes the prefill checkpoint alignment of the first Mamba group only ("TODO: Support models with multiple
+# Mamba specs that require different prefill checkpoint alignments", v1/core/sched/scheduler.py:435-443).
+# The harness's recurrent layers are the KDA group's; the MambaMixer2 group is scheduled, allocated and
+# reconciled by vLLM as in a real model, but its memory is not the harness's (the contract has one state
+# slot per request): see :class:`Groups`.
+MIXED_LAYERS = {"mamba2+kda": ("mamba2", "kda"), "kda+mamba2": ("kda", "mamba2")}
+JUDGED_IN_MIXED = "kda"
+LAYERS = ("mamba2", "gdn", "kda", *MIXED_LAYERS)
 # String forms of the ``connector`` option (short enough for a check id:
 # ``tier-reuse[connector=divergent]``).
 CONNECTOR_FORMS = {"async": {}, "divergent": {"divergent": True}, "sync": {"async": False},
@@ -87,8 +107,11 @@ class VllmOptions:
       the store connector over the harness's host tier (see :mod:`.connector`); the
       strings ``"async"``, ``"divergent"``, ``"sync"``, ``"divergent-sync"`` name the same.
     - ``layer``: whose ``get_kv_cache_spec`` the Mamba group follows: ``"mamba2"``
-      (``MambaMixer2``: one prefill checkpoint block, alignment 1) or ``"gdn"``
-      (Gated DeltaNet as it runs on a CPU or with Triton: none).
+      (``MambaMixer2``: one prefill checkpoint block, alignment 1), ``"gdn"``
+      (Gated DeltaNet as it runs on a CPU or with Triton: none), ``"kda"``
+      (Kimi-K3's KDA under FlashKDA's prefill: one checkpoint block, alignment 16), or two
+      Mamba groups, ``"mamba2+kda"`` / ``"kda+mamba2"`` (the first is the scheduler's
+      first Mamba group; the harness's recurrent layers are KDA's, :data:`MIXED_LAYERS`).
     - ``spec_tokens``: speculative decoding with k drafts per step (0: off;
       :mod:`.speculative`), by ``spec_method`` (``"eagle"``, ``"mtp"``,
       ``"ngram"``); ``spec_lookahead_hashes`` false sets
@@ -111,6 +134,14 @@ class VllmOptions:
     spec_tokens: int = 0
     spec_method: str = "eagle"
     spec_lookahead_hashes: bool = True
+    # The harness model's layers when it has window layers (ImplConfig.layer_kinds / layer_windows): vLLM
+    # then gets one spec per layer, grouped by its own get_kv_cache_groups (:func:`layer_specs`).
+    layer_kinds: str = ""
+    layer_windows: tuple[int, ...] = ()
+
+    @property
+    def has_mamba(self) -> bool:
+        return "R" in self.layer_kinds if self.layer_kinds else True
 
     @classmethod
     def from_config(cls, config: ImplConfig) -> VllmOptions:
@@ -124,7 +155,10 @@ class VllmOptions:
         layer = o.get("layer", "mamba2")
         if layer not in LAYERS:
             raise ValueError(f"unknown layer {layer!r} (expected one of {LAYERS})")
-        bs = hybrid_block_size(config.block_size, layer)
+        kinds = config.layer_kinds
+        if kinds and layer in MIXED_LAYERS:
+            raise ValueError(f"layer {layer!r} (two Mamba groups) is not modelled beside window layers")
+        bs = hybrid_block_size(config.block_size, layer) if not kinds or "R" in kinds else config.block_size
         pmu = o.get("prefix_match_unit") or bs
         if bs % pmu:
             raise ValueError(f"prefix_match_unit {pmu} must divide the block size {bs}")
@@ -153,7 +187,8 @@ class VllmOptions:
                    retention_interval=interval, admission=admission,
                    max_num_seqs=int(o.get("max_num_seqs", 16)), max_model_len=_length(o.get("max_model_len")),
                    shared_prefix_checkpoint=bool(o.get("shared_prefix_checkpoint", False)),
-                   connector=connector_option(o.get("connector")), layer=layer)
+                   connector=connector_option(o.get("connector")), layer=layer, layer_kinds=kinds,
+                   layer_windows=tuple(config.layer_windows))
 
 
 def _length(value) -> int | None:
@@ -191,6 +226,10 @@ def mamba_state_shapes(layer: str) -> tuple[tuple[int, ...], ...]:
     """The state shapes the layer's ``get_state_shape`` gives the tiny model,
     by vLLM's own calculator (layers/mamba/mamba_utils.py)."""
     t, calc = TINY, _shape_calculator()
+    if layer == "kda":
+        # KimiK3DeltaAttention.get_state_shape (models/kimi_k3/nvidia/kda.py:582-590): heads
+        # of head_dim d for q, k and v alike (num_k_heads, head_k_dim default to them).
+        return tuple(calc.kda_state_shape(1, t["rec_heads"], t["rec_key_dim"], conv_kernel_size=t["conv_width"]))
     if layer == "gdn":
         # QwenGatedDeltaNetAttention.get_state_shape (qwen_gdn_linear_attn.py:545-556)
         return tuple(calc.gated_delta_net_state_shape(1, t["rec_heads"], t["rec_heads"], t["rec_key_dim"],
@@ -204,6 +243,20 @@ def mamba_state_shapes(layer: str) -> tuple[tuple[int, ...], ...]:
 _DTYPE_BYTES = 4  # float32 for both groups: only the ratio of the two pages matters
 
 
+def mamba_state_dtypes(layer: str) -> tuple:
+    """The state dtypes of the layer for the adapter's float32 model.  KDA's
+    come from vLLM's own ``kda_state_dtype`` (the conv state in the model's
+    dtype, the recurrent state float32 on "auto", mamba_utils.py:133-149); the
+    others are float32 for both states here too."""
+    import torch
+
+    if layer == "kda":
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator
+
+        return tuple(MambaStateDtypeCalculator.kda_state_dtype(torch.float32, "auto", "auto"))
+    return (torch.float32,) * len(mamba_state_shapes(layer))
+
+
 def attention_page_per_token() -> int:
     """``FullAttentionSpec(block_size=1, ...).page_size_bytes``: K and V."""
     return 2 * TINY["attn_kv_heads"] * TINY["head_dim"] * _DTYPE_BYTES
@@ -212,12 +265,12 @@ def attention_page_per_token() -> int:
 def mamba_page(layer: str) -> int:
     """``MambaSpec.page_size_bytes`` before padding (kv_cache_interface.py:1118-1126)."""
     total = 0
-    for shape in mamba_state_shapes(layer):
-        n = 1
+    for shape, dtype in zip(mamba_state_shapes(layer), mamba_state_dtypes(layer)):
+        n = dtype.itemsize
         for d in shape:
             n *= d
         total += n
-    return total * _DTYPE_BYTES
+    return total
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -237,7 +290,9 @@ def hybrid_block_size(requested: int, layer: str = "mamba2", kernel_block: int =
     - block_size = max(block_size, attn_block_size) (:1090-1096); mamba_block_size = block_size (:1098-1099).
     """
     align = max(kernel_block, requested)
-    attn_block = align * _cdiv(mamba_page(layer), align * attention_page_per_token())
+    # Two Mamba layouts: the largest page, as for Qwen4Exp's (platforms/interface.py:1050-1056).
+    page = max(mamba_page(part) for part in MIXED_LAYERS.get(layer, (layer,)))
+    attn_block = align * _cdiv(page, align * attention_page_per_token())
     return max(requested, attn_block)
 
 
@@ -275,41 +330,121 @@ def build_vllm_config(opts: VllmOptions, kv_transfer_config=None):
     return vc
 
 
-ATTN_GROUP, MAMBA_GROUP = 0, 1
+ATTN_GROUP, MAMBA_GROUP = 0, 1  # the groups of one attention and one Mamba layer (Groups.plain)
 
 
-def mamba_spec(opts: VllmOptions):
+@dataclass(frozen=True)
+class Groups:
+    """Which KV cache group plays which part for the harness.
+
+    ``attn``: the full-attention group (the harness's attention layers; None for a model without them);
+    ``mamba``: the Mamba group whose state the harness's recurrent layers hold (its block ids are state
+    slots; None for a model without recurrent layers); ``shadow``: Mamba groups vLLM schedules,
+    allocates and reconciles whose memory the harness does not model (the contract has one state slot per
+    request); ``windows``: the sliding-window groups, in vLLM's order, and ``window_layers`` the model's W
+    layers of each (indices among the W layers: the harness's ``Layout.window_layer_groups``)."""
+
+    attn: int | None = ATTN_GROUP
+    mamba: int | None = MAMBA_GROUP
+    shadow: tuple[int, ...] = ()
+    windows: tuple[int, ...] = ()
+    window_layers: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def of(cls, kv_cache_config) -> Groups:
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+        groups = kv_cache_config.kv_cache_groups
+        kind = [("mamba" if isinstance(g.kv_cache_spec, MambaSpec) else
+                 "window" if isinstance(g.kv_cache_spec, SlidingWindowSpec) else "attn") for g in groups]
+        attn = [i for i, k in enumerate(kind) if k == "attn"]
+        if len(attn) > 1:  # the contract has one full-attention table per request
+            raise ValueError(f"vLLM made {len(attn)} full attention groups of this model; the harness has one table")
+        mambas = [i for i, k in enumerate(kind) if k == "mamba"]
+        judged = next((i for i in mambas if _judged_layer(groups[i].layer_names)), mambas[0] if mambas else None)
+        windows = tuple(i for i, k in enumerate(kind) if k == "window")
+        # W-layer index of each window layer name ("swa.<layer index>"), in layer order.
+        w_layers = sorted({int(n.split(".")[1]) for i in windows for n in groups[i].layer_names})
+        window_layers = tuple(tuple(sorted(w_layers.index(int(n.split(".")[1])) for n in groups[i].layer_names))
+                              for i in windows)
+        return cls(attn[0] if attn else None, judged, tuple(i for i in mambas if i != judged), windows,
+                   window_layers)
+
+
+def _judged_layer(layers: list[str]) -> bool:
+    return layers[0] in ("mamba.0", f"{JUDGED_IN_MIXED}.0")
+
+
+def mamba_spec(opts: VllmOptions, layer: str | None = None):
     """The Mamba group's spec as the layer builds it (see the module docstring)."""
-    import torch
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    shapes = mamba_state_shapes(opts.layer)
+    layer = layer or opts.layer
+    shapes = mamba_state_shapes(layer)
     # _align_hybrid_block_size pads the Mamba page to the attention page
     # (interface.py:1102-1120); MambaBase passes it on as page_size_padded.
     attn_page = opts.block_size * attention_page_per_token()
-    padded = attn_page if attn_page != mamba_page(opts.layer) else None
-    kind = MambaAttentionBackendEnum.GDN_ATTN if opts.layer == "gdn" else MambaAttentionBackendEnum.MAMBA2
+    padded = attn_page if attn_page != mamba_page(layer) else None
+    # KimiK3DeltaAttention keeps GatedDeltaNetAttention's mamba_type (gdn/base.py:50-51).
+    kind = MambaAttentionBackendEnum.GDN_ATTN if layer in ("gdn", "kda") else MambaAttentionBackendEnum.MAMBA2
     # MambaBase.get_kv_cache_spec (abstract.py ~72-91): num_speculative_blocks =
     # vllm_config.num_speculative_tokens, for every speculative method.
-    spec = MambaSpec(block_size=opts.block_size, shapes=shapes, dtypes=(torch.float32,) * len(shapes),
+    spec = MambaSpec(block_size=opts.block_size, shapes=shapes, dtypes=mamba_state_dtypes(layer),
                      page_size_padded=padded, mamba_type=kind, mamba_cache_mode="align",
                      num_speculative_blocks=opts.spec_tokens)
     # The layer's own override, in this release (MambaMixer2 from 0.32.0; GDN off FlashInfer: none).
-    return replace(spec, **compat.prefill_checkpoint_fields(opts.layer))
+    return replace(spec, **compat.prefill_checkpoint_fields(layer))
 
 
-def build_kv_cache_config(opts: VllmOptions):
-    """One shared pool of ``num_blocks``; group 0 full attention, group 1 Mamba."""
+def layer_specs(opts: VllmOptions) -> dict:
+    """Layer name -> spec, in the order vLLM groups them (``get_kv_cache_groups`` keeps the order
+    of first appearance, kv_cache_planning.py:416-557).  Without window layers: the attention layer, then
+    the Mamba layer(s) (one Mamba layout: ``mamba.0``; two: ``<layer>.0`` each, the first the scheduler's
+    first Mamba group).  With them (``opts.layer_kinds``): one spec per layer of the harness's model, in its
+    order, as the model's layers build theirs: ``Attention.get_kv_cache_spec`` gives a window layer a
+    ``SlidingWindowSpec`` of its window (model_executor/layers/attention/attention.py:624-673; gpt-oss makes
+    every even layer one, models/gpt_oss.py:175, Gemma 3 the layers its config names "sliding_attention",
+    models/gemma3.py:153-155), with the primary block size (one page per block for every group here: the
+    same heads and dtype), and the recurrent layers the Mamba spec of ``opts.layer``."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    bs = opts.block_size
-    return KVCacheConfig(
-        num_blocks=opts.num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(["attn.0"], FullAttentionSpec(block_size=bs, num_kv_heads=TINY["attn_kv_heads"],
-                                                            head_size=TINY["head_dim"], dtype=torch.float32)),
-            KVCacheGroupSpec(["mamba.0"], mamba_spec(opts)),
-        ],
-        prefix_cache_retention_interval=opts.retention_interval)
+    attn: dict[str, Any] = {"block_size": opts.block_size, "num_kv_heads": TINY["attn_kv_heads"],
+                            "head_size": TINY["head_dim"], "dtype": torch.float32}
+    specs: dict = {}
+    if opts.layer_kinds:
+        mamba = mamba_spec(opts) if "R" in opts.layer_kinds else None
+        for i, (kind, window) in enumerate(zip(opts.layer_kinds, opts.layer_windows)):
+            if kind == "R":
+                specs[f"mamba.{i}"] = mamba
+            elif kind == "W":
+                specs[f"swa.{i}"] = SlidingWindowSpec(**attn, sliding_window=window)
+            else:
+                specs[f"attn.{i}"] = FullAttentionSpec(**attn)
+        return specs
+    specs["attn.0"] = FullAttentionSpec(**attn)
+    if opts.layer in MIXED_LAYERS:
+        for part in MIXED_LAYERS[opts.layer]:
+            specs[f"{part}.0"] = mamba_spec(opts, part)
+    else:
+        specs["mamba.0"] = mamba_spec(opts)
+    return specs
+
+
+def build_kv_cache_config(opts: VllmOptions, vllm_config=None):
+    """One shared pool of ``num_blocks``.  Without window layers: one group per layer of
+    :func:`layer_specs` (one layer each, as ``_get_kv_cache_groups_uniform_page_size`` groups a model with
+    one layer of each spec; tests/test_vllm_kda.py checks it against vLLM's own grouping).  With them: the
+    groups vLLM's own ``get_kv_cache_groups`` makes of the model's layers (``vllm_config`` with its KV cache
+    layout resolved): Gemma 3's five window layers per full one are five window groups."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    specs = layer_specs(opts)
+    if opts.layer_kinds:
+        assert vllm_config is not None, "window layers are grouped by vLLM's own grouping"
+        groups = compat.kv_cache_groups(vllm_config, specs)
+    else:
+        groups = [KVCacheGroupSpec([name], spec) for name, spec in specs.items()]
+    return KVCacheConfig(num_blocks=opts.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                         prefix_cache_retention_interval=opts.retention_interval)

@@ -49,7 +49,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
 from conformance.contract import Transfer, TransferDone
 
 CONNECTOR_NAME = "HarnessStoreConnector"
@@ -133,7 +132,9 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         rid, tokens, B = request.request_id, request.all_token_ids, self.block_size
         best = 0
-        if rid not in self.gave_up:
+        # The store keeps the full attention layers' blocks and the recurrent state, not a window group's:
+        # with window layers it claims nothing (vLLM would allocate window blocks it never fills).
+        if rid not in self.gave_up and not self.adapter.runner.groups.windows:
             p = num_computed_tokens + B
             while p < request.num_tokens:  # at least one token is left to compute
                 if entry_key("kv", tokens, p) not in self.stored:
@@ -188,7 +189,9 @@ class HarnessStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def _loads(self, load: Load) -> list[Transfer]:
         rid, B = load.request_id, self.block_size
         tokens = self.adapter.requests[rid].all_token_ids
-        attn, mamba = load.block_ids[ATTN_GROUP], load.block_ids[MAMBA_GROUP]
+        # The harness's groups (.config.Groups): a shadow Mamba group's blocks hold no harness memory.
+        groups = self.adapter.runner.groups
+        attn, mamba = load.block_ids[groups.attn], load.block_ids[groups.mamba]
         wanted: list[tuple[Literal["kv", "state"], int, int]] = [
             ("kv", (i + 1) * B, attn[i]) for i in range(load.begin // B, load.end // B)]
         wanted.append(("state", load.end, mamba[(load.end - 1) // B]))

@@ -26,6 +26,7 @@ from conformance.adapters.vllm.config import (
     VllmOptions,
     build_kv_cache_config,
     build_vllm_config,
+    layer_specs,
 )
 
 
@@ -47,7 +48,10 @@ class Startup:
             spec = g.kv_cache_spec
             pages = -(-spec.max_memory_usage_bytes(self.vllm_config) // spec.page_size_bytes)
             per_request[type(spec).__name__] = pages
-        mamba = groups[-1].kv_cache_spec
+        from conformance.adapters.vllm.config import Groups
+
+        roles = Groups.of(self.kv_cache_config)
+        mamba = groups[roles.mamba].kv_cache_spec if roles.mamba is not None else None
         return {"engine": compat.installed().build, "version": compat.installed().version,
                 "num_blocks": self.kv_cache_config.num_blocks, "usable_blocks": self.kv_cache_config.num_blocks - 1,
                 "block_size": self.opts.block_size, "hash_block_size": self.opts.prefix_match_unit,
@@ -55,7 +59,12 @@ class Startup:
                 "max_model_len_from": "fitted to the pool (vLLM's start-up check)" if self.fitted else "asked for",
                 "blocks_per_max_len_request": per_request, "kv_cache_layout": self.layout,
                 "mamba_cache_mode": self.vllm_config.cache_config.mamba_cache_mode,
-                "prefill_checkpoint_blocks": mamba.num_prefill_checkpoint_blocks,
+                "prefill_checkpoint_blocks": mamba.num_prefill_checkpoint_blocks if mamba else None,
+                "prefill_checkpoint_alignment": mamba.prefill_checkpoint_alignment if mamba else None,
+                "window_groups": [(g.kv_cache_spec.sliding_window, g.layer_names) for g in groups
+                                  if hasattr(g.kv_cache_spec, "sliding_window")],
+                "mamba_groups": [g.layer_names for i, g in enumerate(groups)
+                                 if i == roles.mamba or i in roles.shadow],
                 "retention_interval": self.opts.retention_interval}
 
 
@@ -70,7 +79,10 @@ def _pool_bytes(kv_cache_config) -> int:
     ``get_kv_cache_config_from_groups``."""
     pages = {g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups}
     assert len(pages) == 1, pages
-    return kv_cache_config.num_blocks * pages.pop()
+    # One page per layer of a group: every group holds as many layers (vLLM pads them to that).
+    layers = {len(g.layer_names) for g in kv_cache_config.kv_cache_groups}
+    assert len(layers) == 1, layers
+    return kv_cache_config.num_blocks * pages.pop() * layers.pop()
 
 
 def accepts(vllm_config, kv_cache_config, max_model_len: int) -> str | None:
@@ -107,8 +119,9 @@ def start(opts: VllmOptions, kv_transfer_config=None) -> Startup:
     """The configs for a scheduler of these options, checked as vLLM checks them at start-up."""
     probe = build_vllm_config(replace(opts, max_model_len=opts.max_model_len or MAX_MODEL_LEN_CEILING),
                               kv_transfer_config)
-    kv_cache_config = build_kv_cache_config(opts)
-    layout = compat.resolve_kv_cache_layout(probe, _specs(kv_cache_config).values())
+    layout = compat.resolve_kv_cache_layout(probe, layer_specs(opts).values())
+    probe.cache_config.kv_cache_layout = layout  # as the engine core records it, before planning
+    kv_cache_config = build_kv_cache_config(opts, probe)
     if opts.max_model_len is None:
         length = fit_max_model_len(probe, kv_cache_config)
         if length == 0:
@@ -123,7 +136,7 @@ def start(opts: VllmOptions, kv_transfer_config=None) -> Startup:
     settled = replace(opts, max_model_len=length)
     vllm_config = build_vllm_config(settled, kv_transfer_config)
     vllm_config.cache_config.kv_cache_layout = layout  # as the engine core records it
-    kv_cache_config = build_kv_cache_config(settled)
+    kv_cache_config = build_kv_cache_config(settled, vllm_config)
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
     register_all_kvcache_specs(vllm_config)

@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import conformance.adapters.vllm.compat as compat
-from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
-from conformance.contract import FRESH, RESUME, RequestStep, StepPlan, copy_from
+from conformance.adapters.vllm.config import Groups
+from conformance.contract import FRESH, NULL_BLOCK, RESUME, RequestStep, StepPlan, copy_from
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,21 +58,28 @@ class RunnerState:
     verifying: dict[str, tuple[int, int]] = field(default_factory=dict)
     drop_eagle_block: bool = False  # MambaPrefillCheckpointBuilder.drop_eagle_block
     num_hash_lookahead_tokens: int = 0
+    # Which group's table is the attention layers' and which the recurrent layers' (a shadow Mamba
+    # group's table is vLLM's worker's business only: the harness holds no memory of it).
+    groups: Groups = field(default_factory=Groups)
+    own_slots: dict[str, int] = field(default_factory=dict)  # a model without recurrent layers: a slot each
 
     @classmethod
     def for_config(cls, vllm_config, kv_cache_config) -> RunnerState:
         """A runner in lockstep with the scheduler built from these configs: the
         worker's prefill checkpoint rules read the hash sizes the engine
         resolved (``MambaPrefillCheckpointBuilder.build``) and the Mamba spec."""
-        spec = kv_cache_config.kv_cache_groups[MAMBA_GROUP].kv_cache_spec
+        groups = Groups.of(kv_cache_config)
+        # A model without recurrent layers has no Mamba group: the spec of the first group stands in
+        # (no checkpoint block, no speculative block; its block size is every group's).
+        spec = kv_cache_config.kv_cache_groups[groups.mamba if groups.mamba is not None else 0].kv_cache_spec
         hash_block_size, alignment = compat.checkpoint_hash_sizes(vllm_config.cache_config, spec.block_size)
-        return cls(mamba_block_size=spec.block_size, num_spec_blocks=spec.num_speculative_blocks,
+        return cls(mamba_block_size=spec.block_size, num_spec_blocks=getattr(spec, "num_speculative_blocks", 0),
                    hash_block_size=hash_block_size, cache_hit_alignment_tokens=alignment,
-                   checkpoint_blocks=spec.num_prefill_checkpoint_blocks,
-                   checkpoint_alignment=spec.prefill_checkpoint_alignment,
+                   checkpoint_blocks=getattr(spec, "num_prefill_checkpoint_blocks", 0),
+                   checkpoint_alignment=getattr(spec, "prefill_checkpoint_alignment", None),
                    # checkpoint.py MambaPrefillCheckpointBuilder.__init__ (.compat)
                    drop_eagle_block=compat.drops_eagle_block(vllm_config),
-                   num_hash_lookahead_tokens=compat.hash_lookahead_tokens(vllm_config))
+                   num_hash_lookahead_tokens=compat.hash_lookahead_tokens(vllm_config), groups=groups)
 
     def prev_state_idx(self, rid: str, num_computed: int) -> int:
         """The column holding the state at ``num_computed`` (-1: start fresh).
@@ -91,6 +98,7 @@ class RunnerState:
             self.num_accepted.pop(rid, None)  # the input batch's row goes, and its count with it
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            self.own_slots.pop(rid, None)
 
         starts: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
@@ -124,7 +132,13 @@ class RunnerState:
         """``end``: the scheduled tokens' end, drafts included; ``spec`` the
         row's scheduled spec tokens (drafts, or ``-1`` padding)."""
         tables = self.requests[rid].tables
-        mamba = tables[MAMBA_GROUP]
+        g = self.groups
+        # The window groups' tables, vLLM's null block (id 0: it left the window) as the contract's.
+        windows = tuple(tuple(NULL_BLOCK if b == 0 else b for b in tables[i]) for i in g.windows)
+        attn = tuple(tables[g.attn]) if g.attn is not None else ()
+        if g.mamba is None:  # no recurrent layer: a slot of the request's own, never read
+            return self._stateless_step(rid, start, end, attn, windows, spec)
+        mamba = tables[g.mamba]
         prev = self.prev_state_idx(rid, start)
         # preprocess_mamba: the running state lives in the last non-speculative block.
         num_blocks = cdiv(end, self.mamba_block_size) + self.num_spec_blocks
@@ -141,8 +155,8 @@ class RunnerState:
         else:
             init = RESUME
         if not spec:
-            return RequestStep(rid, start, end, tuple(tables[ATTN_GROUP]), mamba[curr], init,
-                               snapshots=self._prefill_checkpoint(mamba, start, end))
+            return RequestStep(rid, start, end, attn, mamba[curr], init,
+                               snapshots=self._prefill_checkpoint(mamba, start, end), window_tables=windows)
         # A speculative row: the real token, then the drafts (or padding: a
         # request with one token to compute padded to 1 + k, scheduler.py
         # ~1308-1330; its padding computes nothing the harness could judge and
@@ -160,9 +174,23 @@ class RunnerState:
             dest = pos // B - 1
             if pos % B == 0 and 0 <= dest < len(mamba) and mamba[dest] != 0 and dest != curr + (pos - real_end):
                 snapshots.append((pos, mamba[dest]))
-        return RequestStep(rid, start, real_end, tuple(tables[ATTN_GROUP]), mamba[curr], init,
+        return RequestStep(rid, start, real_end, attn, mamba[curr], init,
                            snapshots=tuple(snapshots), drafts=drafts,
-                           draft_slots=tuple(slot for _pos, slot in columns[1:]))
+                           draft_slots=tuple(slot for _pos, slot in columns[1:]), window_tables=windows)
+
+    def _stateless_step(self, rid: str, start: int, end: int, attn, windows, spec) -> RequestStep:
+        """A step of a model without recurrent layers (gpt-oss's shape): the contract still names a
+        running slot; each live request gets one of its own, which no layer reads."""
+        if rid not in self.own_slots:
+            taken = set(self.own_slots.values())
+            self.own_slots[rid] = next(s for s in range(1, len(self.own_slots) + 2) if s not in taken)
+        own = self.own_slots[rid]
+        drafts = tuple(t for t in spec if t >= 0)
+        real_end = end - len(spec)
+        if drafts:
+            self.verifying[rid] = (real_end, 0)
+        return RequestStep(rid, start, real_end if spec else end, attn, own, FRESH if start == 0 else RESUME,
+                           drafts=drafts, window_tables=windows)
 
     def verified(self, rid: str, accepted: int) -> None:
         """After a step: the sampler's count for the row (accepted drafts + 1),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_block_hash, get_group_id
 
-from conformance.adapters.vllm.config import ATTN_GROUP, MAMBA_GROUP
+from conformance.adapters.vllm.config import Groups
 from conformance.contract import CachedKV, CachedState, CacheView
 
 
@@ -54,7 +54,8 @@ def owners(pool, managers) -> dict[int, set[int]]:
     return owned
 
 
-def build_view(pool, registry: HashRegistry, running: tuple[str, ...], managers=()) -> tuple[CacheView, int]:
+def build_view(pool, registry: HashRegistry, running: tuple[str, ...], managers=(),
+               groups: Groups | None = None) -> tuple[CacheView, int]:
     """(the view, number of cached entries whose prefix is unknown).
 
     One pool serves both groups, and a block id is a KV block while the
@@ -66,11 +67,15 @@ def build_view(pool, registry: HashRegistry, running: tuple[str, ...], managers=
     have to evict it), and the reverse.  A block held by something neither
     group lists (a connector's hand-off) is stated in both, so a leak at idle
     is still seen.  ``managers``: the coordinator's ``single_type_managers``
-    (none: every block is stated in both maps)."""
+    (none: every block is stated in both maps).  A block a shadow Mamba group owns (``groups.shadow``:
+    memory the harness does not model) is stated in both, like one held by something neither lists."""
+    groups = groups or Groups()
     refs = {b.block_id: b.ref_cnt for b in pool.blocks if not b.is_null}
     owned = owners(pool, managers)
-    kv_refs = {b: n for b, n in refs.items() if owned.get(b, {ATTN_GROUP}) != {MAMBA_GROUP}}
-    state_refs = {b: n for b, n in refs.items() if owned.get(b, {MAMBA_GROUP}) != {ATTN_GROUP}}
+    kv_groups = {g for g in (groups.attn, *groups.windows) if g is not None}  # pages of KV, any attention group
+    kv_refs = {b: n for b, n in refs.items() if owned.get(b, kv_groups) - {groups.mamba}}
+    state_refs = {b: n for b, n in refs.items() if not (owned.get(b) and owned[b] <= kv_groups)}
+    window_index = {g: i for i, g in enumerate(groups.windows)}
     kv, states, unknown = [], [], 0
     for key, value in pool.cached_block_hash_to_block._cache.items():
         prefix = registry.prefixes.get(get_block_hash(key))
@@ -79,9 +84,11 @@ def build_view(pool, registry: HashRegistry, running: tuple[str, ...], managers=
             continue
         group = get_group_id(key)
         for block in _blocks(value):
-            if group == ATTN_GROUP:
+            if group == groups.attn:
                 kv.append(CachedKV(block.block_id, prefix))
-            elif group == MAMBA_GROUP:
+            elif group in window_index:
+                kv.append(CachedKV(block.block_id, prefix, window_index[group]))
+            elif group == groups.mamba:
                 states.append(CachedState(block.block_id, prefix))
     view = CacheView(kv_refcounts=kv_refs, state_refcounts=state_refs, cached_kv=tuple(kv),
                      cached_states=tuple(states), running=running)

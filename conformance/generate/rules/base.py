@@ -55,8 +55,8 @@ class MachineBase(RuleBasedStateMachine):
         self.model = model or TinyHybrid(ModelConfig())
         self.oracle = oracle or Oracle(self.model)
         self.impl_config = impl_config or self.spec.impl_config()
-        if self.model.config.window_groups and not self.impl_config.windows:  # the cache is told its windows
-            self.impl_config = replace(self.impl_config, windows=self.model.config.window_groups)
+        if self.model.config.window_groups and not self.impl_config.layer_kinds:  # the cache is told its windows
+            self.impl_config = replace(self.impl_config, **self.model.config.window_facts())
         self.timeout = timeout
         self.recorder = recorder or Recorder()
         # Called with each new session: more checkers (metrics), environment faults.
@@ -178,7 +178,8 @@ class MachineBase(RuleBasedStateMachine):
         need = sum(blocks_for(t.prompt_len, t.max_new, B) for t in active) + blocks_for(length, max_new, B)
         # sliding windows: each window group may hold as many blocks again (a prefill chunk
         # allocates its window layers' blocks for every position it computes, as vLLM does)
-        need *= 1 + len(self.model.config.window_groups)
+        # (the groups memory holds: the model's windows, or the cache's own layer groups, Layout)
+        need *= 1 + len(self.session.memory.windows)
         # speculative decoding: a state slot per draft a request may verify, besides its two
         declared = self.session.speculator.declared
         slots = slots_for(declared.max_drafts if declared is not None else 0)
@@ -187,7 +188,7 @@ class MachineBase(RuleBasedStateMachine):
     def longest_alone(self, max_new: int = 1) -> int:
         """The longest prompt :meth:`fits` admits with nothing else active
         (the pool, not the check, bounds the junk that displaces entries)."""
-        B, groups = self.B, 1 + len(self.model.config.window_groups)
+        B, groups = self.B, 1 + len(self.session.memory.windows)  # as fits() counts them
         return max(0, min(self.max_len - max_new, (self.impl_config.num_kv_blocks // groups - 1) * B - max_new))
 
     def new_id(self) -> str:

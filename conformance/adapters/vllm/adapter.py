@@ -75,8 +75,10 @@ class VllmCache:
             c = connector_options(o.connector)
             connector = "divergent" if c["divergent"] else "plain"
             async_ = c["async"]
+        if o.offload:  # vLLM's OffloadingConnector: not divergent, asynchronous loads (.offloading)
+            connector, async_ = "plain", True
         return {"layer": o.layer, "block_size": o.block_size, "prefix_match_unit": o.prefix_match_unit,
-                "sub_block": o.prefix_match_unit < o.block_size, "connector": connector,
+                "sub_block": o.prefix_match_unit < o.block_size, "connector": connector, "offload": o.offload,
                 "connector_async": async_ if connector else None,
                 "spec": o.spec_method if o.spec_tokens else None, "spec_tokens": o.spec_tokens or 0}
 
@@ -123,6 +125,10 @@ class VllmCache:
             from conformance.adapters.vllm.connector import connector_transfer_config
 
             kv_transfer = connector_transfer_config(self.opts.connector)
+        elif self.opts.offload:
+            from conformance.adapters.vllm.offloading import offloading_transfer_config
+
+            kv_transfer = offloading_transfer_config(self.opts)
         # As the engine core starts: the layout, the start-up check (max_model_len fitted to the
         # pool unless asked for), the hash sizes resolved onto the configs (.startup).
         self.startup = start(self.opts, kv_transfer)
@@ -135,6 +141,11 @@ class VllmCache:
                                    block_size=self.opts.block_size, hash_block_size=self.opts.prefix_match_unit,
                                    log_stats=True)
         self.connector = self.scheduler.connector
+        if self.opts.offload:  # vLLM's OffloadingConnector: the harness drives its worker role (.offloading)
+            from conformance.adapters.vllm.offloading import OffloadingTier
+
+            self.connector = OffloadingTier.build(self.scheduler, self.vllm_config, self.kv_cache_config,
+                                                  self.opts.offload)
         if self.connector is not None:
             self.connector.bind_adapter(self)
         self._hasher = get_request_block_hasher(self.opts.prefix_match_unit, sha256)

@@ -291,6 +291,13 @@ class VllmCache:
             # the offered hit joined with a host state (the external tokens
             # are one suffix loaded into new blocks, kv_cache_manager.py:455-473).
             decl["tier_unit"] = o.block_size
+            if o.offload:
+                # vLLM's OffloadingConnector has no path for a lost load: its worker
+                # asserts that every job succeeded (offloading/worker.py get_finished,
+                # "we currently do not support job failures"), and nothing checks the
+                # bytes that landed.  tier-races decides its loads in time only; the
+                # loss faults (--faults) meet the recorded limitation.
+                decl["tier_losses"] = False
         return decl
 
     def speculation(self) -> Speculation | None:

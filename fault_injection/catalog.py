@@ -14,13 +14,14 @@ from fault_injection import (
     spec_mutants,
     tier_mutants,
     vllm_mutants,
+    vllm_offload_mutants,
     vllm_pd_mutants,
 )
 from fault_injection.registry import MUTANTS, Mutant
 
 # imported for their registrations (disagg_mutants: target "reference-disagg", the disagg family's)
 _MODULES = (reference_mutants, retention_mutants, disagg_mutants, tier_mutants, spec_mutants, vllm_mutants,
-            vllm_pd_mutants, sglang_mutants)
+            vllm_offload_mutants, vllm_pd_mutants, sglang_mutants)
 
 
 def all_mutants() -> dict[str, Mutant]:

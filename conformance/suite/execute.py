@@ -121,7 +121,16 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     # is correct, and the situation tier_hits_over_local counts never occurs
     # under it: not asked for, and the result says what went unchecked.
     conservative = spec.tier and isinstance(declared, dict) and declared.get("tier_over_local") is False
-    waived = ("tier_hits_over_local",) if conservative else ()
+    waived: tuple[str, ...] = ("tier_hits_over_local",) if conservative else ()
+    # A tier with no path for a lost load (declared: vLLM's offloading connector)
+    # has its loads decided in time only (generate/rules/transfers.py): no host
+    # entry is evicted under a load, and the result says what went undrawn.
+    lossless = spec.tier and isinstance(declared, dict) and declared.get("tier_losses") is False
+    if lossless:
+        waived += ("store_evicted_during_load",)
+        notes.append("the implementation declares tier_losses=False (its tier has no path for a lost load): "
+                     "loads were decided in time only (late, out of order), none failed, short or evicted under "
+                     "the load; --faults injects those against its recorded limitation")
     if spec.observe_when_declared and declared is None:
         notes.append(f"the implementation declares no retention policy: {', '.join(spec.observe_when_declared)} "
                      f"did not judge this check")

@@ -31,6 +31,23 @@ from conformance.adapters.vllm.translate import RunnerState
 from conformance.adapters.vllm.view import HashRegistry, build_view
 from conformance.contract import ImplConfig, Layout, Request, Speculation, StepPlan, StepResult
 
+# vLLM's own offloading connector as the tier (.offloading), on every axis its
+# scheduler treats apart, in as few variants as cover them (each costs the tier
+# checks' time once more: about 70 s for tier-reuse and 30 s for tier-races on the
+# shared 2-core machine): both CPUOffloadingManager policies; MambaMixer2 (a prefill
+# checkpoint block) and GDN as on a CPU (blocks of 8); whole-block and sub-block
+# matching (partial tails: supports_partial_tail needs a match unit below the
+# block); retention interval 0 (vLLM's default: reachable boundaries only) and 8;
+# speculative decoding as the adapter configures it: EAGLE's block drop (0.33's
+# use_eagle_block_drop) and MTP.  KDA and window groups join when the adapter
+# builds them (an entry here with their ``layer``).
+OFFLOAD_VARIANTS: tuple[dict[str, Any], ...] = (
+    {"connector": "offload-lru"},
+    {"connector": "offload-arc", "prefix_match_unit": 1, "retention_interval": 8},
+    {"connector": "offload-lru", "layer": "gdn", "spec_tokens": 2, "spec_lookahead_hashes": False},
+    {"connector": "offload-arc", "spec_tokens": 2, "spec_method": "mtp"},
+)
+
 # Any token id: ignore_eos=True keeps it from ending a request early.
 _EOS = 2
 
@@ -97,7 +114,8 @@ class VllmCache:
         "mid-block": ({"prefix_match_unit": 1}, {"prefix_match_unit": 1, "layer": "gdn"}),
         "chunked-prefill": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "layer": "gdn"}),
         "tier": ({"connector": "async"}, {"connector": "divergent"},
-                 {"connector": "async", "prefix_match_unit": 1}, {"connector": "divergent", "prefix_match_unit": 1}),
+                 {"connector": "async", "prefix_match_unit": 1}, {"connector": "divergent", "prefix_match_unit": 1},
+                 *OFFLOAD_VARIANTS),
         "retention": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
         "hit-rate": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
         "disagg": ({},),  # its own pairing of two schedulers (.disagg): once

@@ -55,6 +55,10 @@ LAYERS = ("mamba2", "gdn")
 # ``tier-reuse[connector=divergent]``).
 CONNECTOR_FORMS = {"async": {}, "divergent": {"divergent": True}, "sync": {"async": False},
                    "divergent-sync": {"divergent": True, "async": False}}
+# vLLM's own offloading connector in the same slot, by its manager's policy
+# (vllm/v1/kv_offload/cpu/policies/factory.py): one option, one tier, so a
+# user's --option connector=offload-arc replaces every tier variant's choice.
+OFFLOAD_FORMS = {"offload-lru": "lru", "offload-arc": "arc"}
 
 # The tiny model the specs describe: the harness's default model
 # (fixtures/models/tiny-hybrid.toml), one attention layer's KV and one
@@ -86,13 +90,12 @@ class VllmOptions:
     - ``connector``: ``None``, ``true`` or ``{"divergent": bool, "async": bool}`` to plug in
       the store connector over the harness's host tier (see :mod:`.connector`); the
       strings ``"async"``, ``"divergent"``, ``"sync"``, ``"divergent-sync"`` name the same.
+      ``"offload-lru"`` / ``"offload-arc"``: vLLM's own ``OffloadingConnector`` instead,
+      with its ``CPUOffloadingManager`` under that policy, the harness as its worker
+      (:mod:`.offloading`; ``offload`` then names the policy).
     - ``layer``: whose ``get_kv_cache_spec`` the Mamba group follows: ``"mamba2"``
       (``MambaMixer2``: one prefill checkpoint block, alignment 1) or ``"gdn"``
       (Gated DeltaNet as it runs on a CPU or with Triton: none).
-    - ``offload``: ``"lru"`` or ``"arc"`` (``true``: ``"lru"``): vLLM's own
-      ``OffloadingConnector`` with its ``CPUOffloadingManager`` under that
-      policy as the second tier, the harness as its worker (:mod:`.offloading`);
-      not with ``connector``.
     - ``spec_tokens``: speculative decoding with k drafts per step (0: off;
       :mod:`.speculative`), by ``spec_method`` (``"eagle"``, ``"mtp"``,
       ``"ngram"``); ``spec_lookahead_hashes`` false sets
@@ -115,14 +118,14 @@ class VllmOptions:
     spec_tokens: int = 0
     spec_method: str = "eagle"
     spec_lookahead_hashes: bool = True
-    offload: str | None = None
+    offload: str | None = None  # the policy, with connector="offload-lru" / "offload-arc" (.offloading)
 
     @classmethod
     def from_config(cls, config: ImplConfig) -> VllmOptions:
         o = dict(config.options)
         known = {"prefix_match_unit", "retention_interval", "interval", "admission", "max_num_seqs",
                  "max_model_len", "shared_prefix_checkpoint", "connector", "layer", "spec_tokens", "spec_method",
-                 "spec_lookahead_hashes", "offload"}
+                 "spec_lookahead_hashes"}
         unknown = set(o) - known
         if unknown:
             raise ValueError(f"unknown vLLM adapter options: {sorted(unknown)} (known: {sorted(known)})")
@@ -153,15 +156,9 @@ class VllmOptions:
             raise ValueError(f"spec_tokens {spec[0]} above the block size {bs}: vLLM's coordinator refuses a block "
                              f"size below the prefill lookahead, and a verification would span more than one "
                              f"block boundary")
-        offload = offload_policy(o.get("offload"))
         connector = connector_option(o.get("connector"))
-        if offload and connector:
-            raise ValueError("offload and a connector mode are two second tiers behind one connector slot: "
-                             "choose one")
-        if offload:
-            # The plain "on" the suite sets for a tier check (VllmCache.tier_option) and for --faults:
-            # vLLM's offloading connector is the tier then.
-            connector = None
+        named = o.get("connector")
+        offload = OFFLOAD_FORMS.get(named) if isinstance(named, str) else None
         return cls(block_size=bs, num_blocks=config.num_kv_blocks, prefix_match_unit=pmu, offload=offload,
                    spec_tokens=spec[0], spec_method=spec[1], spec_lookahead_hashes=spec[2],
                    retention_interval=interval, admission=admission,
@@ -186,28 +183,15 @@ def connector_option(value) -> dict | None:
     if value is True:
         return {}
     if isinstance(value, str):
+        if value in OFFLOAD_FORMS:
+            return None  # not the store connector: VllmOptions.offload
         if value not in CONNECTOR_FORMS:
             raise ValueError(f"unknown connector {value!r} (expected true, a table, or one of "
-                             f"{sorted(CONNECTOR_FORMS)})")
+                             f"{sorted(CONNECTOR_FORMS) + sorted(OFFLOAD_FORMS)})")
         return dict(CONNECTOR_FORMS[value])
     if isinstance(value, dict):
         return dict(value)
     raise ValueError(f"connector: expected true, a table or a name, got {value!r}")
-
-
-OFFLOAD_POLICIES = ("lru", "arc")  # vllm/v1/kv_offload/cpu/policies/factory.py
-
-
-def offload_policy(value) -> str | None:
-    """``offload``: ``None``/``False``: none; ``True``: vLLM's default policy (LRU); or a policy's name."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return "lru"
-    if value not in OFFLOAD_POLICIES:
-        raise ValueError(f"offload: expected one of {OFFLOAD_POLICIES} (vLLM's CPUOffloadingManager policies) or "
-                         f"true, not {value!r}")
-    return str(value)
 
 
 def _shape_calculator():

@@ -1,4 +1,4 @@
-"""vLLM's own offloading connector as the second tier (``--option offload=lru|arc``).
+"""vLLM's own offloading connector as the second tier (``--option connector=offload-lru|offload-arc``).
 
 vLLM 0.33's native CPU offloading is an ``OffloadingConnector`` (``SupportsHMA``)
 over a pluggable ``OffloadingSpec`` (``kv_connector_extra_config``:
@@ -63,10 +63,17 @@ from conformance.contract import Transfer, TransferDone
 SPEC_NAME = "HarnessOffloadingSpec"
 GROUP_KINDS = ("kv", "state")  # the adapter's groups (.config: ATTN_GROUP, MAMBA_GROUP), as harness memory holds them
 def host_chunks(num_blocks: int) -> int:
-    """The CPU tier's capacity in chunks (one chunk = one block of one group here):
-    twice the device pool, so the tier outlives device eviction yet fills up
-    and evicts by its own policy within an example."""
-    return 2 * num_blocks
+    """The CPU tier's capacity in chunks (one chunk = one block of one group here).
+
+    Sixteen times the device pool: enough that vLLM's manager never has to
+    evict within an example of the suite's tier checks (``stats["host_evictions"]``
+    counts it if it does).  The expected-hit oracle reads the harness's host
+    store, which learns that the manager evicted a chunk only when the store
+    that reuses the chunk is copied, a step or two later; a request matched in
+    between would be held to the evicted prefix (measured: at 2x the pool,
+    tier-races[offload=lru] at seed 0 read 'device 0, host tier 28' for a
+    prompt whose chunks LRU had just evicted)."""
+    return 16 * num_blocks
 
 
 def offloading_transfer_config(opts) -> KVTransferConfig:
@@ -202,7 +209,8 @@ class OffloadingTier:
     worker: HarnessOffloadingWorker
     policy: str
     bound: bool = False
-    stats: dict = field(default_factory=lambda: {"store_jobs": 0, "load_jobs": 0, "flushed": 0, "loaded_tokens": 0})
+    stats: dict = field(default_factory=lambda: {"store_jobs": 0, "load_jobs": 0, "flushed": 0,
+                                                  "host_evictions": 0})
 
     @classmethod
     def build(cls, scheduler, vllm_config, kv_cache_config, policy: str) -> OffloadingTier:
@@ -214,7 +222,17 @@ class OffloadingTier:
         worker = HarnessOffloadingWorker(role.spec)
         worker.bind_groups(kv_cache_config)
         role.worker = worker
-        return cls(scheduler.connector, worker_connector, worker, policy)
+        tier = cls(scheduler.connector, worker_connector, worker, policy)
+        policy_obj = tier.manager._policy
+        evict = policy_obj.evict
+
+        def counted(n, protected):  # observes vLLM's policy, changes nothing
+            out = evict(n, protected)
+            tier.stats["host_evictions"] += len(out or ())
+            return out
+
+        policy_obj.evict = counted
+        return tier
 
     @property
     def manager(self):

@@ -9,13 +9,25 @@ drift, so ``--impl X`` also runs the reference's quick profile in the same
 window (``--baseline``) and prints both side by side with their ratio.
 
     python bench/core.py [--impl vllm] [--profile quick] [--seed 0] [--baseline reference|none] [--no-matrix]
+
+A change's cost is measured against the commit before it, side by side: ``--against REV`` runs the same profile
+from this checkout and from REV (a temporary git worktree), alternating them ``--rounds`` times, each run a fresh
+``python -m conformance run`` process, and prints every wall time, the medians and their ratio (this / REV):
+
+    python bench/core.py --against main --rounds 2 [--impl reference] [--check ID ...] [--workers 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from conformance.harness import oracle as oracle_mod
 from conformance.harness import session as session_mod
@@ -75,7 +87,15 @@ def main() -> None:
     ap.add_argument("--baseline", default="reference",
                     help="also run this implementation's profile in the same window (none: do not)")
     ap.add_argument("--no-matrix", action="store_true", help="run each check once (no configuration matrix)")
+    ap.add_argument("--against", default=None, metavar="REV",
+                    help="measure this checkout against git revision REV, side by side (alternating runs)")
+    ap.add_argument("--rounds", type=int, default=2, help="with --against: runs of each side (default 2)")
+    ap.add_argument("--check", action="append", default=[], help="with --against: only this check (repeatable)")
+    ap.add_argument("--workers", type=int, default=1, help="with --against: run --workers N")
     args = ap.parse_args()
+    if args.against:
+        against(args)
+        return
     if args.impl != "reference":
         from conformance.adapters import resolve
 
@@ -85,6 +105,44 @@ def main() -> None:
         base_wall, base = measure(args.baseline, args)
         print(f"side by side ({args.profile}, same window): {args.impl} {wall:.1f} s ({len(result.checks)} checks) | "
               f"{args.baseline} {base_wall:.1f} s ({len(base.checks)} checks) | ratio {wall / base_wall:.2f}")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def timed_run(tree: Path, args, out: Path) -> tuple[float, int]:
+    """Wall seconds and exit status of one ``python -m conformance run`` from ``tree``'s code."""
+    cmd = [sys.executable, "-m", "conformance", "run", "--impl", args.impl, "--profile", args.profile,
+           "--seed", str(args.seed), "--report-dir", str(out), "--workers", str(args.workers)]
+    cmd += [f"--check={c}" for c in args.check] + (["--no-matrix"] if args.no_matrix else [])
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    t = time.perf_counter()
+    rc = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    return time.perf_counter() - t, rc
+
+
+def against(args) -> None:
+    """This checkout and ``args.against`` alternated in one window: the ratio of their median wall times."""
+    rev = subprocess.run(["git", "rev-parse", "--short", args.against], cwd=ROOT, capture_output=True, text=True)
+    if rev.returncode != 0:
+        sys.exit(f"--against {args.against!r}: not a git revision here ({rev.stderr.strip()})")
+    with tempfile.TemporaryDirectory(prefix="bench-core-") as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(old), rev.stdout.strip()], cwd=ROOT,
+                       check=True)
+        try:
+            times: dict[str, list[float]] = {"this": [], "old": []}
+            for i in range(args.rounds):
+                for side, tree in (("old", old), ("this", ROOT)) if i % 2 else (("this", ROOT), ("old", old)):
+                    wall, rc = timed_run(tree, args, Path(tmp) / f"{side}{i}")
+                    times[side].append(wall)
+                    print(f"round {i + 1} {side:4s} {wall:7.1f} s (exit {rc})", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT)
+    a, b = statistics.median(times["this"]), statistics.median(times["old"])
+    load = os.getloadavg()[0]
+    print(f"side by side ({args.impl}, {args.profile}, seed {args.seed}, load {load:.1f}): this checkout {a:.1f} s | "
+          f"{args.against} ({rev.stdout.strip()}) {b:.1f} s | ratio {a / b:.2f}")
 
 
 def report(args, result, wall: float) -> None:

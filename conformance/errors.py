@@ -31,6 +31,9 @@ class FailureKind(StrEnum):
     RAISED = "raised"  # the implementation raised
     TIMEOUT = "timeout"  # the implementation did not return in time
     HARNESS = "harness"  # the harness itself crashed: never a pass
+    # the implementation failed, and the same operations replayed did not fail again: it does not repeat
+    # itself (it iterates a set of objects hashed by address, reads a clock, draws at random...)
+    NONDETERMINISTIC = "nondeterministic"
 
 
 class ContractError(Exception):

@@ -17,24 +17,37 @@ __all__ = ["HybridCacheMachine", "machine_test"]
 
 
 def machine_test(impl_factory, check: str = "mixed", examples: int = 50, steps: int = 20, seed: int = 0,
-                 options: dict | None = None, mutant: str | None = None):
+                 options: dict | None = None, mutant: str | None = None, expectations: str | None = None):
     """A pytest test function running ``check`` (a check id or a variant id such
     as ``mid-block-hits[prefix_match_unit=1]``) against ``impl_factory`` with
-    ``examples`` Hypothesis examples of ``steps`` Hypothesis steps each; it
-    fails with the check's witness (wrong logits, a broken invariant, a
-    situation that never occurred...).  The test function keeps the
-    check's last :class:`~conformance.results.records.CheckResult` as
-    ``last_result``."""
-    from conformance.suite.single import run_single_check
+    ``examples`` Hypothesis examples of ``steps`` Hypothesis steps each, and
+    rendering its verdict as the CLI and the pytest plugin do: it fails with
+    the check's witness for a NEW failure (wrong logits, a broken invariant, a
+    situation that never occurred...), is an xfail naming them when the
+    check's only failures are known defects of the implementation's
+    expectations file (a named adapter's, or ``expectations``), and a skip
+    when the check cannot run.  The test function keeps the check's last
+    :class:`~conformance.results.records.CheckResult` as ``last_result``
+    (and its verdict as ``last_verdict``)."""
+    from conformance.suite.single import judge_single_check
 
     def run_test():
-        res = run_single_check(impl_factory, check, RunOptions(examples=examples, steps=steps, seed=seed,
-                                                               impl_options=dict(options or {}), mutant=mutant))
-        run_test.last_result = res  # type: ignore[attr-defined]
-        if res.status == "skipped":
-            import pytest
+        import pytest
 
+        res, verdict = judge_single_check(impl_factory, check, RunOptions(
+            examples=examples, steps=steps, seed=seed, impl_options=dict(options or {}), mutant=mutant,
+            expectations=expectations))
+        run_test.last_result = res  # type: ignore[attr-defined]
+        run_test.last_verdict = verdict  # type: ignore[attr-defined]
+        if verdict.status == "skipped":
             pytest.skip(f"{check}: {res.reason}")
+        if verdict.status in ("known", "expected"):
+            what = f"known defects {', '.join(verdict.defects)}" if verdict.status == "known" else "expected failure"
+            pytest.xfail(f"{check}: {what}: {verdict.why}")
+        if verdict.status == "unexpected-skip":
+            raise AssertionError(f"{check} skipped ({res.reason}), but the expectations file expects a result")
+        if verdict.status == "unexpected-pass":
+            raise AssertionError(f"{check} passed, but the expectations file expects a failure: update the file")
         if res.status != "passed":
             assert res.failure is not None
             raise AssertionError(f"{check} {res.status} ({res.failure.kind}): {res.failure.message}")

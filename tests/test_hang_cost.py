@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conformance.adapters.reference import ReferenceCache
+from conformance.adapters.reference.disagg import ReferenceDisagg
 from conformance.contract import CacheView
 from conformance.suite.options import RunOptions
 from conformance.suite.single import run_single_check
@@ -45,17 +46,34 @@ class HangsOnLongPrompts(ReferenceCache):
         super().add_request(request)
 
 
+class HangingDisagg(ReferenceDisagg):
+    def schedule(self, budget=1 << 30):
+        ENTERED["disagg"] = ENTERED.get("disagg", 0) + 1
+        time.sleep(60)
+
+
+class HangsInDisagg(ReferenceCache):
+    """Its disaggregated mode hangs in schedule(): before, Hypothesis replayed
+    the hanging example and the minimizer replayed it again (5 entries, about
+    6x --timeout)."""
+
+    disagg_factory = HangingDisagg
+
+
 @pytest.mark.parametrize("factory,method,check", [
     (HangsInSchedule, "schedule", "mid-block-hits"),
     (HangsWhenBuilt, "build", "mid-block-hits"),
     (HangsWhenBuilt, "build", "retention-hit-rate"),  # the check also asks the declared retention
     (HangsOnLongPrompts, "long", "mid-block-hits"),
+    (HangsInDisagg, "disagg", "disagg-transfer"),
 ])
 def test_a_hang_costs_one_timeout_a_check(factory, method, check):
     ENTERED.clear()
     res = run_single_check(factory, check, RunOptions(examples=5, steps=6, seed=0, timeout=0.3, write_reports=False))
     assert res.status == "error" and res.failure.kind == "timeout", (res.status, res.failure)
     assert ENTERED[method] == 1, ENTERED
+    if res.failure.operations:  # the result says why its repro was not minimized
+        assert any(n.startswith("not minimized: the failure is a hang") for n in res.notes), res.notes
 
 
 class RejectsRetentionOptions(ReferenceCache):

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top.  A module may import modules of its own package or of a lower
 # layer; packages that share a layer do not import each other.
 LAYERS = (
-    ("conformance.errors",),
+    ("conformance.errors", "conformance.inputs"),
     ("conformance.contract",),
     ("conformance.model",),
     ("conformance.disagg",),  # the two-worker contract: layouts, geometry, descriptors
@@ -23,7 +23,9 @@ LAYERS = (
     ("conformance.judge",),
     ("conformance.generate",),
     ("fault_injection", "conformance.results"),
-    ("conformance.suite", "conformance.analysis", "conformance.engine"),
+    # Whole engines (the engine level): the suite prepares and executes their runs as it does the cache level's.
+    ("conformance.engine",),
+    ("conformance.suite", "conformance.analysis"),
     ("conformance.cli", "conformance.pytest_plugin", "conformance.testing"),
     ("conformance.__main__", "conformance"),  # entry points
 )

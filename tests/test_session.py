@@ -66,7 +66,7 @@ class _Scripted(ReferenceCache):
         return plan
 
 
-@pytest.mark.parametrize("how,kind", [("skip", "contract"), ("bad-block", "invariant"), ("nothing", "stall")])
+@pytest.mark.parametrize("how,kind", [("skip", "contract"), ("bad-block", "contract"), ("nothing", "stall")])
 def test_contract_violations_are_failures(model, oracle, how, kind):
     factory = type("Broken", (_Scripted,), {"how": how})
     s = session(model, oracle, factory)

@@ -153,7 +153,8 @@ def test_a_second_run_into_a_report_directory_in_use_is_refused(tmp_path, capsys
         assert (out / ".lock").exists(), first.stderr.read() if first.poll() is not None else "no lock"
         assert cli(["run", "--check", "tier-reuse", "--examples", "2", "--report-dir", str(out)]) == 2
         err = capsys.readouterr().err.strip()
-        assert f"another run (pid {first.pid}) is writing its reports there" in err and len(err.splitlines()) == 1
+        owner = int((out / ".lock").read_text())  # the run's process: the console's supervised child
+        assert f"another run (pid {owner}) is writing its reports there" in err and len(err.splitlines()) == 1
         assert first.wait(timeout=600) == 0
     finally:
         if first.poll() is None:

@@ -36,6 +36,9 @@ def resolve(spec: str) -> ImplFactory:
         raise UsageError(f"--impl {spec}: cannot import {module_name}: {exc}{hint}") from None
     except Exception as exc:  # noqa: BLE001 - a module that fails on import is a usage problem too
         raise UsageError(f"--impl {spec}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
+    except SystemExit as exc:  # sys.exit() at import ends no run: the module cannot be imported (a Ctrl-C can)
+        raise UsageError(f"--impl {spec}: importing {module_name} raised SystemExit({exc.code!r}): the module "
+                         f"ends the process when imported") from None
     factory: object = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)

@@ -8,17 +8,16 @@ expectations, when a result is not the expected one."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from conformance.cli.common import path_arg
 from conformance.errors import UsageError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("compare", help="compare two results.json files (or a results file with expectations)")
-    p.add_argument("old", type=Path, help="results.json / report dir of the earlier run, or an expectations .toml")
-    p.add_argument("new", type=Path, help="results.json / report dir of the later run")
-    p.add_argument("more", type=Path, nargs="*", help="further results for the HTML matrix (--html)")
-    p.add_argument("--html", type=Path, default=None, metavar="FILE",
+    p.add_argument("old", type=path_arg, help="results.json / report dir of the earlier run, or an expectations .toml")
+    p.add_argument("new", type=path_arg, help="results.json / report dir of the later run")
+    p.add_argument("more", type=path_arg, nargs="*", help="further results for the HTML matrix (--html)")
+    p.add_argument("--html", type=path_arg, default=None, metavar="FILE",
                    help="also write an HTML matrix with one row per results file")
     p.set_defaults(func=main)
 
@@ -27,6 +26,10 @@ def main(args) -> int:
     from conformance.errors import CompareInputError
     from conformance.results.compare import compare, defect_lines, format_comparison, format_expectations, load_results
 
+    if args.html is not None:  # before any work: a file that cannot be written is a usage error, not a traceback
+        from conformance.suite.prepare import check_output_file
+
+        check_output_file(args.html, "--html", inputs=(args.old, args.new, *args.more))
     try:
         old = None if args.old.suffix == ".toml" else load_results(args.old)  # in the order given
         new = load_results(args.new)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from conformance.cli.common import call_timeout
 from conformance.errors import UsageError
 
 
@@ -21,7 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--id", action="append", default=[], metavar="DEFECT", help="only this defect (repeatable)")
     p.add_argument("--replay", action="store_true",
                    help="replay each open defect's pinned repro on the installed implementation")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds an implementation call may take")
+    p.add_argument("--timeout", type=call_timeout, default=30.0, help="seconds an implementation call may take")
     p.add_argument("--pin", default=None, metavar="REPRO",
                    help="write REPRO (a run's repro file) as the pinned repro of --id into fixtures/defects/"
                         "<engine>-<version>/<id>.json, with the facts its conditions are judged on")

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conformance.cli.common import path_arg
 from conformance.errors import CompareInputError, UsageError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("matrix", help="several runs side by side, one row per run, one column per family")
-    p.add_argument("results", type=Path, nargs="+", help="results.json files or report directories")
-    p.add_argument("--html", type=Path, default=None, metavar="FILE", help="also write the matrix as HTML")
+    p.add_argument("results", type=path_arg, nargs="+", help="results.json files or report directories")
+    p.add_argument("--html", type=path_arg, default=None, metavar="FILE", help="also write the matrix as HTML")
     p.set_defaults(func=main)
 
 
@@ -35,12 +36,19 @@ def row_verdict(row: dict, directory: Path | None = None) -> tuple[bool, str]:
     if row.get("interrupted"):
         how = f"crashed ({row['crashed']})" if row.get("crashed") else "interrupted"
         return False, f"{label}: {how} (its results are incomplete)"
-    if not bad and not nothing:
-        return True, f"{label}: passed"
     impl = row.get("impl_spec") or row.get("implementation") or ""
     expectations = None if row.get("mutant") else find_expectations(impl, row.get("implementation_version") or "",
                                                                      directory or EXPECTATIONS_DIR,
                                                                      build=row.get("implementation_build") or "")
+    # The run's verdict, judged as `run` judges it (conformance.results.verdict): a run killed, still running,
+    # or with planned checks that never ran is incomplete, never green, whatever its checks say.
+    from conformance.results.verdict import judge_run
+
+    verdict = judge_run({**row, "expectations": {"path": str(expectations)} if expectations else None})
+    if verdict.incomplete and not nothing:
+        return False, f"{label}: incomplete ({'; '.join(verdict.incomplete)})"
+    if not bad and not nothing:
+        return True, f"{label}: passed"
     if expectations is not None and not nothing:
         _, as_expected = format_expectations(row, expectations)
         if as_expected:
@@ -56,6 +64,10 @@ def main(args) -> int:
     from conformance.results.compare import load_results
     from conformance.results.matrix import format_matrix
 
+    if args.html is not None:  # before any work: a file that cannot be written is a usage error, not a traceback
+        from conformance.suite.prepare import check_output_file
+
+        check_output_file(args.html, "--html", inputs=(*args.results,))
     try:
         rows = [load_results(p) for p in args.results]
     except CompareInputError as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from conformance.cli.common import add_impl_options, parse_options, positive_int
@@ -45,7 +46,7 @@ NOT_DETECTION = ("coverage", "harness")
 def add_parser(sub) -> None:
     p = sub.add_parser("mutants", help="check that the suite detects every registered mutant")
     add_impl_options(p)
-    p.add_argument("--only", default="", help="only these mutants, comma separated")
+    p.add_argument("--only", default=None, help="only these mutants, comma separated")
     p.add_argument("--profile", default="quick", help="quick, standard or nightly (default quick)")
     p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
     p.add_argument("--examples", type=positive_int, default=None,
@@ -94,10 +95,12 @@ def planned_checks(mutant, profile: str) -> list[str]:
     return [s.id for s in specs]
 
 
-def select(mutants: list, only: str) -> list:
-    if not only:
+def select(mutants: list, only: str | None) -> list:
+    if only is None:
         return mutants
     wanted = [n.strip() for n in only.split(",") if n.strip()]
+    if not wanted:  # "--only ''" or "--only ,": an empty selection is not "all of them"
+        raise UsageError(f"--only {only!r}: names no mutant (leave the flag out for every mutant)")
     known = {m.name for m in mutants}
     unknown = [n for n in wanted if n not in known]
     if unknown:
@@ -115,6 +118,7 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
              "examples_to_detection": None, "seconds_to_detection": None, "repro_steps": None, "repro": None,
              "checks_run": [], "seconds": None, "report_dir": str(report_dir), "not_detections": [],
              "crashed_itself": [], "known_defects": []}
+    _clear_parts(report_dir)
     started = time.perf_counter()
     # Detection cost counts every check run before the one that caught it:
     # that is what the suite spent to find the bug.
@@ -156,6 +160,21 @@ def run_mutant(mutant, base: RunOptions, report_dir: Path) -> dict:
     return entry
 
 
+def _clear_parts(report_dir: Path) -> None:
+    """The ``partN`` report directories an earlier self-check into the same
+    directory left (this one may stop at an earlier part): cleared of what the
+    suite wrote there, and removed when nothing else is left."""
+    from conformance.results.report import clear_previous_run
+
+    for part in sorted(report_dir.glob("part*")) if report_dir.is_dir() else []:
+        if part.is_dir() and not part.is_symlink() and part.name[4:].isdigit():
+            clear_previous_run(part)
+            try:
+                part.rmdir()
+            except OSError:
+                pass  # something else is in it: it stays
+
+
 def _ids_after(result, i: int, base: RunOptions) -> list[str]:
     """The checks of this run that come after check ``i`` (not run: the run stopped there)."""
     planned = list(base.checks) or planned_checks(None, base.profile)
@@ -194,13 +213,18 @@ def main(args) -> int:
     if not chosen:
         raise UsageError(f"no mutants are registered for --impl {args.impl}")
     from conformance.suite.options import default_report_dir
+    from conformance.suite.prepare import check_report_dir, prepare_run
 
-    out = Path(args.report_dir or default_report_dir(f"mutants-{args.impl}", args.seed))
-    out.mkdir(parents=True, exist_ok=True)
     base = RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, checks=tuple(args.check),
                       timeout=args.timeout, examples=args.examples, steps=args.steps,
                       impl_options=parse_options(args.option), block_size=args.block_size,
                       num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots)
+    # Every usage error before any work: the options as each mutant's run will check them, and the directory.
+    prepare_run(replace(base, write_reports=False))
+    if args.report_dir is not None:
+        check_report_dir(args.report_dir)
+    out = Path(args.report_dir or default_report_dir(f"mutants-{args.impl}", args.seed))
+    out.mkdir(parents=True, exist_ok=True)
     entries = []
     for i, mutant in enumerate(chosen):
         print(f"[{i + 1}/{len(chosen)}] {mutant.name} ...", file=sys.stderr, flush=True)

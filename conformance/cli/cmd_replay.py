@@ -11,9 +11,8 @@ reproduces nor clears it, and is said so (exit 2)."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from conformance.cli.common import positive_float
+from conformance.cli.common import call_timeout, path_arg
 from conformance.errors import ReproFormatError, UsageError
 from conformance.results.repro import load
 
@@ -21,7 +20,7 @@ from conformance.results.repro import load
 def add_parser(sub) -> None:
     p = sub.add_parser("replay", help="re-execute a repro file; exit 1 if its failure reproduces "
                                                 "(3: it fails otherwise)")
-    p.add_argument("file", type=Path, help="a repro file (repros/<check>[--<mutant>].json or a scenario)")
+    p.add_argument("file", type=path_arg, help="a repro file (repros/<check>[--<mutant>].json or a scenario)")
     p.add_argument("--impl", default=None,
                    help="implementation to replay against (default: the file's, if it is a named adapter); "
                         "another implementation than the file's drops the file's mutant and faults")
@@ -30,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-faults", action="store_true", help="do not inject the file's environment faults")
     p.add_argument("--trust-impl", action="store_true",
                    help="allow importing a module:Class named inside the file (runs that module's code)")
-    p.add_argument("--timeout", type=positive_float, default=30.0, help="seconds an implementation call may take")
+    p.add_argument("--timeout", type=call_timeout, default=30.0, help="seconds an implementation call may take")
     p.add_argument("--quiet", action="store_true", help="print one line only")
     p.set_defaults(func=main)
 
@@ -41,6 +40,9 @@ def main(args) -> int:
     from conformance.suite.replay import replay, same_failure, witness
 
     torch.set_num_threads(1)  # tiny tensors: intra-op threads only add synchronization
+    for flag, value in (("--impl", args.impl), ("--mutant", args.mutant)):
+        if value is not None and not value.strip():  # "" would silently mean "the file's"
+            raise UsageError(f"{flag} {value!r}: names nothing (leave the flag out for the file's)")
 
     try:
         repro = load(args.file)

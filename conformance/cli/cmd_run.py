@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 import sys
 
-from conformance.adapters import ENGINE_LEVEL
 from conformance.cli.common import Progress, add_impl_options, parse_options, positive_int, summary_lines, terminated
+from conformance.cli.supervise import first_signal_only, tell_parent
 from conformance.errors import UsageError
 from conformance.suite.prepare import prepare_run
 from conformance.suite.run import RunOptions, execute
@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", default="quick", help="quick, standard or nightly (default quick)")
     p.add_argument("--check", action="append", default=[], help="run only this check id (repeatable)")
     p.add_argument("--mutant", default=None, help="apply one registered mutant to the implementation")
-    p.add_argument("--faults", default="", help="environment faults to inject, comma separated")
+    p.add_argument("--faults", default=None, help="environment faults to inject, comma separated")
     p.add_argument("--examples", type=positive_int, default=None,
                    help="Hypothesis examples per check (overrides profile)")
     p.add_argument("--steps", type=positive_int, default=None,
@@ -40,7 +40,7 @@ def add_parser(sub) -> None:
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
-    if not text:
+    if text is None:
         return None
     i, sep, n = text.partition("/")
     try:
@@ -75,7 +75,7 @@ def options_from(args) -> RunOptions:
     """The run the command line asks for."""
     return RunOptions(impl=args.impl, profile=args.profile, seed=args.seed, report_dir=args.report_dir,
                       checks=tuple(args.check), mutant=args.mutant,
-                      faults=tuple(f for f in args.faults.split(",") if f), timeout=args.timeout,
+                      faults=tuple(args.faults.split(",")) if args.faults is not None else (), timeout=args.timeout,
                       examples=args.examples, steps=args.steps, impl_options=parse_options(args.option),
                       block_size=args.block_size, num_kv_blocks=args.kv_blocks, num_state_slots=args.state_slots,
                       progress=Progress(), shard=parse_shard(args.shard),
@@ -86,27 +86,35 @@ def options_from(args) -> RunOptions:
 def main(args) -> int:
     # A CI runner cancels with SIGTERM: the run stops as on Ctrl-C (it marks
     # itself interrupted and keeps its reports) and exits 143 (SIGKILL cannot
-    # be caught; the reports written after each check still hold).
+    # be caught; the reports written before the first check and after each still hold).
     signal.signal(signal.SIGTERM, terminated)
-    if args.impl in ENGINE_LEVEL:
-        from conformance.cli.engine_run import run_engine
-
-        return run_engine(args)
-    opts = options_from(args)
+    first_signal_only()  # under the supervisor (cli/supervise.py): a signal delivered twice stops it once
+    opts = options_from(args)  # --impl vllm-engine too: prepare_run makes it an engine-level Run
     if args.expectations:
         from conformance.cli.common import load_expectations_for_cli
 
         load_expectations_for_cli(args.expectations)  # a typo should fail now, not after the run (exit 2)
-    result = execute(prepare_run(opts))  # every usage error is raised by prepare_run, before any work
+    run = prepare_run(opts)  # every usage error is raised here, before any work
+    tell_parent(run.report_dir)
+    result = execute(run)
+    return render(result, args.impl, args.mutant)
+
+
+def render(result, impl: str, mutant: str | None = None) -> int:
+    """The run's verdict on the console (the summary, the triage, then one
+    last line: ``verdict: ...``) and as the exit status: the value the core
+    decided (``result.verdict``), never judged again here."""
     for line in summary_lines(result):
         print(line, file=sys.stderr)
+    verdict = result.verdict
     if result.expectations:
         from conformance.results.triage import format_verdict, judge_file
 
         doc = result.to_dict()
-        verdict, exp = judge_file(doc, result.expectations["path"])
-        print(format_verdict(verdict, exp, result.expectations["path"], doc), file=sys.stderr)
-        return 0 if verdict.ok and result.checked and not result.interrupted else 1
-    if result.implementation != "reference" and not args.mutant:
-        _no_expectations(result, args.impl)
-    return 0 if result.ok else 1
+        triage, exp = judge_file(doc, result.expectations["path"])
+        text = format_verdict(triage, exp, result.expectations["path"], doc).splitlines()
+        print("\n".join(text[:-1]), file=sys.stderr)  # its last line ("as expected") is the verdict's now
+    elif result.implementation != "reference" and not mutant:
+        _no_expectations(result, impl)
+    print(verdict.headline(), file=sys.stderr)
+    return verdict.exit_code

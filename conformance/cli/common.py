@@ -7,22 +7,16 @@ import math
 import sys
 from pathlib import Path
 
-from conformance.suite.options import parse_options
+from conformance.suite.options import parse_options, timeout_problem
 
 __all__ = ["parse_options"]  # re-exported: the subcommands import it from here
 
 
 def engine_check_ids() -> set[str]:
-    """Every engine-level check id any engine profile plans (an expectations
-    entry for another ``engine-*`` id is a typo)."""
-    from conformance.engine import ALL, PROFILES
+    """Every engine-level check id any engine profile plans (conformance.suite.engine_level)."""
+    from conformance.suite.engine_level import engine_check_ids as ids
 
-    ids = set()
-    for profile in PROFILES.values():
-        for model, variant, families, _options in profile["variants"]:
-            key = model + (f"+{variant}" if variant else "")
-            ids |= {f"engine-{f}:{key}" for f in (*families, *ALL, "reference-agreement")}
-    return ids
+    return ids()
 
 
 def load_expectations_for_cli(path):
@@ -44,22 +38,56 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
+def call_timeout(text: str) -> float:
+    """An argparse type: an implementation call's timeout in seconds, a finite
+    number above 0 and at most a day (``suite.options.timeout_problem``)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value > 0 and math.isfinite(value)):
+    why = timeout_problem(value)
+    if why:
+        raise argparse.ArgumentTypeError(f"{text} {why}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number above 0 (a size, a price)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
+    return value
+
+
+def path_arg(text: str) -> Path:
+    """An argparse type: a path that names something.  ``Path("")`` is the
+    current directory: an empty argument (an unset variable in a CI script)
+    would silently write or read there."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing (for the current directory, say '.')")
+    return Path(text)
 
 
 def add_impl_options(p) -> None:
     p.add_argument("--impl", default="reference", help="reference, vllm or module:Class (default: reference)")
     p.add_argument("--seed", type=int, default=0, help="one seed reproduces the whole run (default 0)")
-    p.add_argument("--report-dir", type=Path, default=None, help="where to write reports (default reports/<run-id>/)")
-    p.add_argument("--timeout", type=positive_float, default=30.0,
+    p.add_argument("--report-dir", type=path_arg, default=None,
+                   help="where to write reports (default reports/<run-id>/)")
+    p.add_argument("--timeout", type=call_timeout, default=30.0,
                    help="seconds an implementation call may take (default 30)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="implementation option, e.g. interval=8 (JSON values; repeatable)")
@@ -116,6 +144,10 @@ class Progress:
             for met in r.known_defects:
                 if r.failure is None or met["defect"] != r.failure.defect:
                     self._line(f"      known defect {met['defect']} met in {met['count']} example(s), explored past")
+        elif event == "worker-died":  # --workers: the process running a check died (suite/parallel.py)
+            self._line(f"    {info['check']}: NOT RUN: its worker process died ({info['how']})")
+        elif event == "engine":  # an engine-level run's own progress line
+            self._line(f"  {info['message']}")
         elif event == "defect-replays":
             self._line(f"replaying the pinned repros of {info['total']} open known defect(s) ...")
         elif event == "defect-replays-done":

@@ -29,9 +29,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (``argv``, default ``sys.argv[1:]``).  From the console
+    (no ``argv``), ``run`` executes under a supervisor (cli/supervise.py): a
+    run whose process dies still ends with a verdict and exit status 1."""
+    if argv is None:
+        from conformance.cli.supervise import supervise, wanted
+
+        if wanted(sys.argv[1:]):
+            return supervise(sys.argv[1:])
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        try:
+            return int(args.func(args) or 0)
+        except SystemExit as exc:
+            # Inside a command only code it runs can raise it (the implementation's, outside any guarded
+            # call: its warm-up...): never a run's end with that status.  The report says "crashed".
+            print(f"hybrid-conformance: error: SystemExit({exc.code!r}) was raised during the command (by the "
+                  f"implementation's code, outside any check); the run is incomplete", file=sys.stderr)
+            return 1
     except UsageError as exc:
         print(f"hybrid-conformance: error: {exc}", file=sys.stderr)
         return 2

@@ -63,7 +63,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from conformance.contract import ImplConfig
 from conformance.disagg.contract import DECODE, PREFILL
-from conformance.errors import ConformanceFailure, ImplementationError
+from conformance.errors import Abandoned, ConformanceFailure, ImplementationError
 from conformance.generate.recorder import Recorder
 from conformance.harness.disagg import ops as dops
 from conformance.harness.disagg.session import DisaggSession
@@ -97,6 +97,14 @@ SHARES = ("whole", "none", "one-block", "two-blocks", "mid-block")
 MAX_ACTIVE = 3
 MAX_OVERLAPS = 2  # per example: the rest of it is free draws
 MAX_ARMS = 2  # faults armed per example (a lost notification costs its deadline, a killed peer a restart)
+
+
+def _abandon_on_hang(exc: Exception) -> None:
+    """A hang abandons the check at once, as in the single-worker machine
+    (``rules/base.py``): :class:`Abandoned` passes through Hypothesis, which
+    would otherwise replay the example (and wait out the timeout again)."""
+    if isinstance(exc, ImplementationError) and exc.kind == "timeout":
+        raise Abandoned(exc) from None
 
 
 def recorder_for_disagg(**kwargs) -> Recorder:
@@ -155,8 +163,13 @@ class DisaggMachine(RuleBasedStateMachine):
         examples that never get past their first choice, and an implementation
         (two vLLM schedulers) and a reset of the workers are not free."""
         if self.session is None:
-            self.session = judged_disagg_session(self.factory, self.impl_config, self.model, self.oracle,
-                                                 self.transport, pool=self.pool, timeout=self.timeout)
+            try:
+                self.session = judged_disagg_session(self.factory, self.impl_config, self.model, self.oracle,
+                                                     self.transport, pool=self.pool, timeout=self.timeout)
+            except ImplementationError as exc:  # building it raised or hung
+                self.failed = True
+                _abandon_on_hang(exc)
+                raise
             self.transport_name, self.transport_why = self.session.transport_name, self.session.transport_why
             note(f"pairing {self.pairing}: {self.impl_config.options} over {self.transport_name}")
             layouts = self.session.layouts
@@ -175,6 +188,7 @@ class DisaggMachine(RuleBasedStateMachine):
             rec.failure = (exc, [op_to_dict(o) for o in self.ops], self.session.history.tail(64))
             if rec.first_failure is None:
                 rec.first_failure = (rec.examples, round(time.perf_counter() - rec.started, 3))
+            _abandon_on_hang(exc)
             raise
 
     def teardown(self):

@@ -58,6 +58,8 @@ def bundled() -> list[str]:
 
 def resolve(name_or_path: str) -> Path:
     """A bundled workload's name, or a path to a JSONL file."""
+    if not str(name_or_path).strip():  # Path("") is the current directory
+        raise ValueError(f"{name_or_path!r} names no workload; bundled: {', '.join(bundled())} (or a .jsonl path)")
     p = Path(name_or_path)
     if p.suffix == ".jsonl" or p.exists():
         if not p.exists():
@@ -73,7 +75,9 @@ def load(name_or_path: str, vocab: int = VOCAB) -> list[WorkloadRequest]:
     path = resolve(name_or_path)
     out: list[WorkloadRequest] = []
     ids: set[str] = set()
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    from conformance.inputs import read_input
+
+    for n, line in enumerate(read_input(path).splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path.name}:{n}"

@@ -188,7 +188,7 @@ class Session(Stepping, PoolProbe):
 
     def _settle(self) -> CacheView:
         """Memory at rest: the view after it, handed to the checkers."""
-        view = self.last_view = self.call("view")
+        view = self.last_view = self._view()
         cached = ({("kv", e.block, e.tokens) for e in view.cached_kv}
                   | {("s", e.slot, e.tokens) for e in view.cached_states})
         if not self.probing:  # the probe evicts whatever it needs: not the check's pressure
@@ -201,6 +201,16 @@ class Session(Stepping, PoolProbe):
         """Call the implementation, guarded: a raise or a hang becomes an ImplementationError."""
         return guarded(f"{type(self.impl).__name__}.{method}()", getattr(self.impl, method), *args,
                        timeout=self.timeout)
+
+    def _view(self) -> CacheView:
+        """The implementation's view, which the contract types as a CacheView:
+        anything else (None from a view() that forgot its return) is the
+        implementation's contract failure, said here, never a crash of the
+        first checker that reads it (a harness error)."""
+        view = self.call("view")
+        if not isinstance(view, CacheView):
+            raise ConformanceFailure("contract", f"view() returned {type(view).__name__}, not CacheView")
+        return view
 
 
 

@@ -55,6 +55,8 @@ class Stepping:
 
         def _settle(self) -> CacheView: ...
 
+        def _view(self) -> CacheView: ...
+
     def _step(self, budget: int, transfers: bool = False) -> None:
         """One step; with ``transfers``, also one without an active request
         while transfers are in flight (they complete only in a step)."""
@@ -71,7 +73,7 @@ class Stepping:
             self._without_requests(plan)
             return
         self._stalled = 0
-        view = self.plan_view = self.call("view")
+        view = self.plan_view = self._view()
         self._validate(plan)
         self.checkers.notify(Scheduled(plan, view))
         try:
@@ -116,7 +118,7 @@ class Stepping:
         # checkers see what the cache held then (an entry evicted by another
         # request's load destinations is neither on the device nor, its
         # offload not run yet, in the host store).
-        self.checkers.notify(Scheduled(plan, self.call("view") if progress else None))
+        self.checkers.notify(Scheduled(plan, self._view() if progress else None))
         if progress:
             # requests wait for their loads (or copies prepare them): progress, not a stall
             self._stalled = 0
@@ -183,6 +185,27 @@ class Stepping:
         ssm = holds(src if "ssm" in init.parts else rs.state_slot)[1]
         return conv == want and ssm == want
 
+    def _in_range(self, plan: StepPlan) -> None:
+        """Every block and slot the plan names is in the pool, said as such
+        before any checker judges the plan (a block id past the pool read as
+        "refcount 0 while in use" when the checkers saw it first)."""
+        mem, B, lay = self.runner.memory, self.layout.block_size, self.layout
+
+        def check(who: str, valid, ids) -> None:
+            try:
+                for i in ids:
+                    valid(i)
+            except ContractError as exc:
+                raise ConformanceFailure("contract", f"{who}{exc}: out of range (the pool has {lay.num_kv_blocks} "
+                                                     f"KV blocks and {lay.num_state_slots} state slots)") from None
+
+        check("a KV copy: ", mem.check_block, [b for pair in plan.kv_copies for b in pair])
+        check("a state copy: ", mem.check_slot, [s for pair in plan.state_copies for s in pair])
+        for rs in plan.requests:
+            check(f"{rs.request_id}: ", mem.check_block, rs.block_table[: -(-rs.end // B)])
+            sources = [rs.state_init.source] if rs.state_init.source is not None else []
+            check(f"{rs.request_id}: ", mem.check_slot, [rs.state_slot, *sources, *(s for _, s in rs.snapshots)])
+
     def _validate(self, plan: StepPlan) -> None:
         seen: set[str] = set()
         for rs in plan.requests:
@@ -200,6 +223,7 @@ class Stepping:
                 raise ConformanceFailure("contract", f"{rs.request_id}: step starts at {rs.start}, but only "
                                                      f"{track.computed} tokens were computed")
             self.speculator.validate(rs, track)
+        self._in_range(plan)
         problems = plan_conflicts(plan, self.layout.block_size, {rs.request_id: self.tracks[rs.request_id].tokens
                                                                  for rs in plan.requests})
         if problems:  # memory two requests of the step contend for (conformance/harness/conflicts.py)

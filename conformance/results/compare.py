@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conformance.errors import CompareInputError
+from conformance.inputs import read_input
 from conformance.results.expectations import (  # noqa: F401 - re-exported: the old home of these names
     BAD,
     expected_status,
@@ -18,6 +19,7 @@ from conformance.results.expectations import (  # noqa: F401 - re-exported: the 
     load_expectations,
 )
 from conformance.results.records import upgrade
+from conformance.results.shape import check_results_shape
 from conformance.results.triage import compare_with_expectations, format_expectations  # noqa: F401
 
 
@@ -25,20 +27,25 @@ def load_results(path: str | Path) -> dict:
     """A results.json (or a report directory holding one), of any schema
     version, as the current version's dict."""
     path = Path(path)
-    if path.is_dir():
-        path = path / "results.json"
     try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
+        if path.is_dir():
+            path = path / "results.json"
+    except OSError as exc:  # a name too long, a loop of links: said by the read below
         raise CompareInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    text = read_input(path, CompareInputError)
+    try:
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CompareInputError(f"{path}: not JSON: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("checks"), list):
         raise CompareInputError(f"{path}: not a results.json (no 'checks' list)")
     try:
-        return upgrade(doc)
+        check_results_shape(doc)  # before upgrading (which reads each check), and after (its renamed fields)
+        doc = upgrade(doc)
+        check_results_shape(doc)
     except CompareInputError as exc:
         raise CompareInputError(f"{path}: {exc}") from None
+    return doc
 
 
 def _by_id(result: dict) -> dict[str, dict]:
@@ -140,7 +147,7 @@ class Comparison:
 
 def compare(old: dict, new: dict) -> Comparison:
     o, n = _by_id(old), _by_id(new)
-    cmp = Comparison(interrupted=bool(new.get("interrupted")), old_identity=identity(old), new_identity=identity(new),
+    cmp = Comparison(interrupted=bool(_stopped(new)), old_identity=identity(old), new_identity=identity(new),
                      old_unusable=what_ran(old), new_unusable=what_ran(new),
                      old_stopped=_stopped(old), new_stopped=_stopped(new))
     cmp.nothing_checked = not any(c["status"] != "skipped" for c in n.values())
@@ -226,9 +233,16 @@ def defect_lines(cmp: Comparison) -> list[str]:
 
 
 def _stopped(doc: dict) -> str:
-    if not doc.get("interrupted"):
-        return ""
-    return f"crashed ({doc['crashed']})" if doc.get("crashed") else "interrupted"
+    """Why a run is incomplete ("" when it is not): interrupted, crashed, never
+    finished (killed, or still running: results.json's ``finished`` is null),
+    planned checks not run."""
+    if doc.get("interrupted"):
+        return f"crashed ({doc['crashed']})" if doc.get("crashed") else "interrupted"
+    if "finished" in doc and not doc["finished"]:
+        return "did not finish (it was killed, or is still running)"
+    if doc.get("not_run"):
+        return f"did not run {len(doc['not_run'])} of its planned checks"
+    return ""
 
 
 def _changes(cid: str, before: dict, now: dict) -> list[tuple[str, str, str, str]]:

@@ -20,6 +20,7 @@ from difflib import get_close_matches
 from pathlib import Path
 
 from conformance.errors import CompareInputError
+from conformance.inputs import read_input
 from conformance.results.records import FAILURE_KINDS
 
 BAD = ("failed", "error")
@@ -82,11 +83,9 @@ def load_expectations(path: str | Path, known_checks: Container[str] | None = No
     check ids that exist; an entry for any other (a typo) is an error, never
     an expectation silently met by a check that does not exist."""
     path = Path(path)
+    text = read_input(path, CompareInputError)
     try:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
-    except OSError as exc:
-        raise CompareInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise CompareInputError(f"{path}: not TOML: {exc}") from None
     for key in ("engine", "version"):

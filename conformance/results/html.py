@@ -91,22 +91,31 @@ def _matrix(results: list[dict]) -> list[str]:
     out.append("<th>passed</th><th>failed</th><th>errors</th><th>skipped</th><th>run</th></tr></thead><tbody>")
     for r in results:
         s = r.get("summary") or {}
+        verdict = _verdict(r)
         state = ("crashed" if r.get("crashed") else "interrupted") if r.get("interrupted") else \
-            ("running" if not r.get("finished") else "complete")
-        if state == "complete" and not any(c.get("status") != "skipped" for c in r.get("checks", [])):
-            state = "nothing was checked"
-        badge = {"complete": "ok", "interrupted": "warn", "crashed": "bad", "running": "warn",
-                 "nothing was checked": "bad"}[state]
+            "not finished" if "finished" in r and not r["finished"] else _LABEL[verdict.status]
+        badge = "ok" if verdict.ok else "warn" if verdict.status == "incomplete" and not r.get("crashed") else "bad"
         out.append(f"<tr><th>{e(run_label(r))}</th>")
         for f in families:
             status, tip = family_cell([c for c in r.get("checks", []) if c.get("family") == f])
             out.append(f"<td class='{status}' title='{e(tip)}'>{e(status)}</td>")
         out.append(f"<td class='num'>{s.get('passed', 0)}</td><td class='num'>{s.get('failed', 0)}</td>"
                    f"<td class='num'>{s.get('error', 0)}</td><td class='num'>{s.get('skipped', 0)}</td>"
-                   f"<td><span class='badge {badge}'>{state}</span> seed {e(str(r.get('seed', '')))}, "
+                   f"<td><span class='badge {badge}' title='{e(verdict.headline())}'>{e(state)}</span> "
+                   f"seed {e(str(r.get('seed', '')))}, "
                    f"{e(str(r.get('profile', '')))}</td></tr>")
     out.append("</tbody></table>")
     return out
+
+
+_LABEL = {"new": "NEW", "incomplete": "incomplete", "fixed": "FIXED", "known": "as expected",
+          "expected": "as expected", "passed": "passed"}
+
+
+def _verdict(r: dict):
+    from conformance.results.verdict import verdict_of
+
+    return verdict_of(r)
 
 
 def _coverage(results: list[dict]) -> list[str]:
@@ -148,10 +157,11 @@ def _checks(results: list[dict]) -> list[str]:
                        f"<td class='num'>{c.get('examples', 0)}</td><td class='num'>{c.get('operations', 0)}</td>"
                        f"<td class='num'>{c.get('seconds', 0):.1f}</td><td>{e(first)}</td>"
                        f"<td>{'<br>'.join(e(n) for n in c.get('notes') or [])}</td></tr>")
-        why = "not run: the run crashed" if r.get("crashed") else "not run: interrupted"
-        for cid in r.get("not_run") or [] if r.get("interrupted") else []:
-            out.append(f"<tr><td>{e(run_label(r))}</td><td>{e(cid)}</td><td></td>"
-                       f"<td class='error'>{why}</td><td></td><td></td><td></td><td></td><td></td></tr>")
+        for cv in _verdict(r).checks:
+            if cv.status == "not-run":
+                out.append(f"<tr><td>{e(run_label(r))}</td><td>{e(cv.id)}</td><td></td>"
+                           f"<td class='error'>not run: {e(cv.why)}</td><td></td><td></td><td></td><td></td>"
+                           f"<td></td></tr>")
     out.append("</tbody></table>")
     return out
 
@@ -166,11 +176,13 @@ def _triage(results: list[dict], base: Path | None) -> list[str]:
         if not t:
             continue
         exp = r.get("expectations") or {}
-        verdict = "as expected" if t.get("ok") else "NOT as expected"
+        run_verdict = _verdict(r)
+        verdict = "as expected" if run_verdict.ok else \
+            "INCOMPLETE" if run_verdict.status == "incomplete" else "NOT as expected"
         out.append(f"<h2>Triage: {e(run_label(r))}</h2><p class='meta'>against "
                    f"<code>{e(str(exp.get('path', '')))}</code> ({e(str(exp.get('engine', '')))} "
-                   f"{e(str(exp.get('version', '')))}): <span class='badge {'ok' if t.get('ok') else 'bad'}'>"
-                   f"{verdict}</span></p>")
+                   f"{e(str(exp.get('version', '')))}): <span class='badge {'ok' if run_verdict.ok else 'bad'}'>"
+                   f"{verdict}</span> {e(run_verdict.headline())}</p>")
         out.append("<table id='triage'><thead><tr><th>verdict</th><th>signature</th><th>checks</th>"
                    "<th>examples</th><th>first repro</th></tr></thead><tbody>")
         for g in t.get("new", []) + t.get("known", []):
@@ -199,7 +211,9 @@ def _failures(results: list[dict], base: Path | None) -> list[str]:
     failures = [(r, c) for r in results for c in r.get("checks", []) if c["status"] in ("failed", "error")]
     out = [f"<h2>Failures ({len(failures)})</h2>"]
     if not failures:
-        out.append("<p><span class='badge ok'>none</span></p>")
+        incomplete = any(_verdict(r).status == "incomplete" for r in results)
+        out.append("<p><span class='badge warn'>none so far: the run is incomplete</span></p>" if incomplete
+                   else "<p><span class='badge ok'>none</span></p>")
     for r, c in failures:
         f = c.get("failure") or {}
         label = ((r.get("triage") or {}).get("by_check") or {}).get(c["id"], "")

@@ -36,13 +36,13 @@ class Pinned:
 
 
 def load_any(path: Path) -> Pinned:
+    from conformance.inputs import read_input
     from conformance.results.facts import facts_of
     from conformance.results.repro import SCHEMA, parse
 
+    text = read_input(path, CompareInputError)
     try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise CompareInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise CompareInputError(f"{path}: not JSON: {exc}") from None
     if not isinstance(doc, dict):

@@ -24,6 +24,7 @@ REPRO_VERSION = 3  # docs/repro-format.md; conformance.results.repro reads it (a
 LOCK = ".lock"
 NOT_RUN = "not run: interrupted"
 NOT_RUN_CRASHED = "not run: the run crashed"
+NOT_RUN_PENDING = "not run: pending"
 
 
 class ReportDir:
@@ -41,6 +42,7 @@ class ReportDir:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock()
+            clear_previous_run(self.path)  # held now: only this run writes here from here on
         except OSError as exc:
             raise UsageError(f"--report-dir {self.path}: cannot write there: {exc.strerror or exc}") from None
         return self
@@ -94,6 +96,53 @@ class ReportDir:
         self.close()
 
 
+# What a run writes at the top of its report directory (each also as ``<name>.tmp`` while written).
+RUN_FILES = ("results.json", "junit.xml", "index.html", "cache-metrics.png")
+
+
+def clear_previous_run(out: Path) -> list[Path]:
+    """Remove what an earlier run left in ``out``, so that the directory holds
+    only the run about to write there: its results, JUnit, HTML and plot, and
+    its repro files (``repros/*.json``, ``repros/known/<defect>/*.json``),
+    each recognized as the suite's by name and, for a repro, by its schema.
+    A repro of the earlier run that stayed would sit beside this run's
+    results as if this run had found it (and the HTML and a reader of the
+    folder would take it for one).  Anything else (a user's notes, another
+    tool's files, ``economics --report-dir`` output) stays.  Returns what went."""
+    gone = []
+    for name in RUN_FILES:
+        for path in (out / name, out / (name + ".tmp")):
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+                gone.append(path)
+    repros = out / "repros"
+    if repros.is_dir() and not repros.is_symlink():
+        folders = [repros, *(sorted(p for p in (repros / "known").glob("*") if p.is_dir() and not p.is_symlink())
+                             if (repros / "known").is_dir() and not (repros / "known").is_symlink() else [])]
+        for folder in folders:
+            for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*.json.tmp")):
+                if path.is_file() and not path.is_symlink() and _is_repro(path):
+                    path.unlink()
+                    gone.append(path)
+        for folder in reversed([*folders[:1], repros / "known", *folders[1:]]):
+            try:
+                folder.rmdir()  # only when nothing else is left in it
+            except OSError:
+                pass
+    return gone
+
+
+def _is_repro(path: Path) -> bool:
+    """Whether ``path`` is a repro file this suite wrote (cache or engine level), by its schema."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    # written by json.dumps(doc, indent=2): the schema is the first key, on the second line
+    return b'"schema": "hybrid-cache-conformance/' in head
+
+
 def _owner(lock: Path) -> int | None:
     try:
         return int(lock.read_text().strip() or 0) or None
@@ -112,70 +161,81 @@ def _alive(pid: int) -> bool:
 
 
 def results_document(result: RunResult) -> dict:
-    """results.json: the run, and its triage against the engine version's
-    known defects and expectations when it has a file (conformance.results.triage)."""
+    """results.json: the run, its triage against the engine version's known
+    defects and expectations when it has a file (conformance.results.triage),
+    and its verdict (conformance.results.verdict): the one a finished run
+    carries, else judged now (a run still running reads incomplete, its
+    planned checks "not run: pending")."""
+    from conformance.results.verdict import judge_run
+
     doc = result.to_dict()
+    verdict = result.verdict or judge_run(doc)
     if result.expectations:
         from conformance.results.triage import judge_cached
 
         doc["triage"] = judge_cached(doc, result.expectations["path"]).to_dict()
+        doc["triage"]["ok"] = verdict.ok  # "as expected" only for a complete run
+    doc["verdict"] = verdict.to_dict()
     return doc
 
 
 def write_all(out: Path, result: RunResult) -> None:
     doc = results_document(result)
     atomic_write(out / "results.json", strict_json(doc, indent=2, default=str) + "\n")
-    atomic_write(out / "junit.xml", junit_xml(result, doc.get("triage")))
+    atomic_write(out / "junit.xml", junit_xml(result, doc))
 
     write_index(out, [doc])
 
 
-def junit_xml(result: RunResult, triage: dict | None = None) -> str:
-    """One ``<testcase>`` per check.  With a triage, a failure that is a known
-    defect (or a failure the file expects) is a ``<skipped type="known-defect">``
-    (``"expected-failure"``) naming it, as pytest writes an xfail, so that a CI
-    reading JUnit sees red exactly when the run's verdict is red; an unexpected
-    pass is a failure, and each open defect's pinned repro is a testcase of its
-    own (a failure when it no longer reproduces: FIXED).  An interrupted run
-    lists the planned checks that did not run as errors ("not run:
-    interrupted") and says so on the testsuite (an ``interrupted`` property and
-    an error count that includes them): a CI reading JUnit never sees such a run
-    as a pass.  A run the harness crashed out of is interrupted too, and says
-    what raised."""
-    summary = result.to_dict()["summary"]
-    not_run = result.not_run if result.interrupted else []
-    by_check = (triage or {}).get("by_check", {})
-    unexpected_passes = set((triage or {}).get("unexpected_passes", []))
+def junit_xml(result: RunResult, doc: dict | None = None) -> str:
+    """One ``<testcase>`` per planned check, rendering the run's verdict
+    (``doc``: results.json as :func:`results_document` makes it).  A failure
+    that is a known defect (or a failure the file expects) is a
+    ``<skipped type="known-defect">`` (``"expected-failure"``) naming it, as
+    pytest writes an xfail, so that a CI reading JUnit sees red exactly when
+    the verdict is red; an unexpected pass or skip is a failure; each open
+    defect's pinned repro is a testcase of its own (a failure when it no
+    longer reproduces: FIXED).  A planned check without a result is an error
+    ``not run: <why>`` (pending, interrupted, the run crashed, its shard
+    missing...), and an incomplete run that no such case shows (nothing
+    checked, a run that never finished) gets a ``run-verdict`` error of its
+    own: a CI reading JUnit never sees an incomplete run as a pass."""
+    from conformance.results.records import RunVerdict
+
+    doc = doc if doc is not None else results_document(result)
+    verdict = RunVerdict.from_dict(doc["verdict"])
+    judged = verdict.expectations is not None
     suite = ET.Element("testsuite", name=f"hybrid-cache-conformance[{result.implementation}]",
-                       tests=str(len(result.checks) + len(not_run)), failures=str(summary["failed"]),
-                       errors=str(summary["error"] + len(not_run)), skipped=str(summary["skipped"]),
                        time=f"{sum(c.seconds for c in result.checks):.3f}")
     props = ET.SubElement(suite, "properties")
     for key, value in (("implementation", result.implementation), ("version", result.implementation_version),
                        ("seed", result.seed), ("profile", result.profile), ("mutant", result.mutant or ""),
                        ("interrupted", str(result.interrupted).lower()), ("crashed", result.crashed),
-                       ("not_run", len(not_run))):
+                       ("not_run", len(result.not_run)), ("verdict", verdict.status),
+                       ("verdict_line", verdict.headline())):
         ET.SubElement(props, "property", name=key, value=str(value))
-    failures, errors, skipped = summary["failed"], summary["error"], summary["skipped"]
     for c in result.checks:
         case = ET.SubElement(suite, "testcase", classname=f"conformance.{c.family}", name=c.id, time=f"{c.seconds:.3f}")
-        label = by_check.get(c.id, "")
-        if c.status in ("failed", "error") and c.failure is not None and label and label != "NEW":
-            known = label.startswith("known")
+        cv = verdict.check(c.id)
+        status = cv.status if cv is not None else "new"
+        if status in ("known", "expected") and c.failure is not None:
+            known = status == "known"
+            label = f"known {', '.join(cv.defects)}" if known and cv is not None else "expected failure"
             el = ET.SubElement(case, "skipped", type="known-defect" if known else "expected-failure",
-                               message=(f"{label}: " if known else "expected failure: ") + c.failure.message[:400])
+                               message=f"{label}: " + c.failure.message[:400])
             el.text = _witness(c, result.impl_spec)
-            failures, errors, skipped = failures - (c.status == "failed"), errors - (c.status == "error"), skipped + 1
         elif c.status in ("failed", "error") and c.failure is not None:
             el = ET.SubElement(case, "failure" if c.status == "failed" else "error",
-                               message=(("NEW: " if triage else "") + c.failure.message)[:500], type=c.failure.kind)
+                               message=(("NEW: " if judged else "") + c.failure.message)[:500], type=c.failure.kind)
             el.text = _witness(c, result.impl_spec)
+        elif status == "unexpected-skip":
+            ET.SubElement(case, "failure", type="unexpected-skip",
+                          message=f"skipped ({c.reason}), but the expectations file expects a result")
         elif c.status == "skipped":
             ET.SubElement(case, "skipped", message=c.reason)
-        elif c.id in unexpected_passes:
+        elif status == "unexpected-pass":
             ET.SubElement(case, "failure", type="unexpected-pass",
                           message="passed, but the expectations file expects a failure: update the file")
-            failures += 1
         if c.known_defects:  # met while exploring (the check went on past each)
             met_props = ET.SubElement(case, "properties")
             for met in c.known_defects:
@@ -188,23 +248,28 @@ def junit_xml(result: RunResult, triage: dict | None = None) -> str:
                     if rec["outcome"] == "fixed" else f"the pinned repro now fails otherwise: {rec.get('kind')}: "
                                                       f"{(rec.get('message') or '')[:300]}")
             ET.SubElement(case, "failure", type=rec["outcome"], message=what).text = str(rec.get("repro"))
-            failures += 1
         elif rec["outcome"] != "reproduces":
             ET.SubElement(case, "skipped", message=rec.get("note") or rec["outcome"])
-            skipped += 1
-    why = f"the run crashed ({result.crashed})" if result.crashed else "the run was interrupted"
-    if result.interrupted:
+    not_run = [cv for cv in verdict.checks if cv.status == "not-run"]
+    if result.interrupted or not_run:
+        why = f"the run crashed ({result.crashed})" if result.crashed else \
+            "the run was interrupted" if result.interrupted else "the run has not finished"
         ET.SubElement(suite, "system-err").text = \
             f"{why}: {len(result.checks)} checks finished, {len(not_run)} did not run"
-    for cid in not_run:
-        case = ET.SubElement(suite, "testcase", classname="conformance.not-run", name=cid, time="0.000")
-        ET.SubElement(case, "error", message=NOT_RUN_CRASHED if result.crashed else NOT_RUN,
-                      type="crashed" if result.crashed else "interrupted").text = \
-            f"{cid} was planned but did not run: {why}"
-    suite.set("tests", str(len(suite.findall("testcase"))))
-    suite.set("failures", str(failures))
-    suite.set("errors", str(errors + len(not_run)))
-    suite.set("skipped", str(skipped))
+    for cv in not_run:
+        case = ET.SubElement(suite, "testcase", classname="conformance.not-run", name=cv.id, time="0.000")
+        kind = "crashed" if cv.why == "the run crashed" else "interrupted" if cv.why == "interrupted" else "not-run"
+        ET.SubElement(case, "error", message=f"not run: {cv.why}", type=kind).text = \
+            f"{cv.id} was planned but did not run: {cv.why}"
+    if verdict.status == "incomplete" and not not_run:
+        case = ET.SubElement(suite, "testcase", classname="conformance.verdict", name="run-verdict", time="0.000")
+        ET.SubElement(case, "error", message=verdict.headline()[:500], type="incomplete").text = \
+            "\n".join(verdict.incomplete)
+    cases = suite.findall("testcase")
+    suite.set("tests", str(len(cases)))
+    for attr, tag in (("failures", "failure"), ("errors", "error"), ("skipped", "skipped")):
+        suite.set(attr, str(sum(c.find(tag) is not None for c in cases)))
+    triage = doc.get("triage")
     if triage:
         for g in triage.get("known", []) + triage.get("new", []):
             ET.SubElement(props, "property", name=f"triage:{g['status']}:{g['key']}",

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from conformance.contract import ImplConfig
-from conformance.errors import ReproFormatError
+from conformance.errors import FailureKind, ReproFormatError
 from conformance.harness.disagg.ops import DisaggSubmit, is_disagg
 from conformance.harness.ops import Op, Probe, Submit, op_from_dict
+from conformance.inputs import read_input
 from conformance.model import ModelConfig
 
 SCHEMA = "hybrid-cache-conformance/repro"
@@ -53,10 +54,7 @@ class Repro:
 
 def load(path: str | Path) -> Repro:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ReproFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    text = read_input(path, ReproFormatError)
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -112,6 +110,11 @@ def parse(doc, path: str = "<repro>") -> Repro:
     for key in ("kind", "message"):
         if key in failure and not isinstance(failure[key], str):
             raise ReproFormatError(f"failure.{key}: must be a string")
+    kinds = [k.value for k in FailureKind]
+    if "kind" in failure and failure["kind"] not in kinds:
+        # REPRODUCED needs the same kind: a kind no failure has would read as never reproducing
+        raise ReproFormatError(f"failure.kind: {failure['kind']!r} is not a failure kind (one of "
+                               f"{', '.join(kinds)})")
     return Repro(
         path=path, operations=operations, model=model, impl_config=impl_config,
         impl=_need(doc, "impl", str, "an implementation name", optional=True, default="") or "",

@@ -134,7 +134,12 @@ def run_disagg_check(run: Run, planned: PlannedCheck, res: Resources, notify=lam
             examples = None if examples is None or outcome.examples is None else examples + outcome.examples
             if failure is not None:
                 failure.impl_config = asdict(config)
-                if failure.kind != FailureKind.HARNESS and run.shrink != "none" and failure.operations:
+                if failure.kind == FailureKind.TIMEOUT and failure.operations:
+                    # a hang is not replayed (each replay would wait out the timeout again)
+                    from conformance.suite.minimize import HANG_NOT_MINIMIZED
+
+                    recorder.notes.add(HANG_NOT_MINIMIZED)
+                elif failure.kind != FailureKind.HARNESS and run.shrink != "none" and failure.operations:
                     # "ops": instead of Hypothesis's shrinking; "hypothesis": after it, which
                     # leaves whole compound rules and idle steps behind (replays here are cheap:
                     # the pool's workers, no new peer process)

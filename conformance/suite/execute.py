@@ -161,9 +161,14 @@ def run_check(run: Run, planned: PlannedCheck, res: Resources, notify: ProgressF
     status, failure = outcome.status, outcome.failure
     # A hang is not replayed: each replay would wait out the timeout again
     # (the repro keeps the example's operations as they ran).
-    if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT) \
+    if failure is not None and failure.kind not in (FailureKind.HARNESS, FailureKind.TIMEOUT,
+                                                    FailureKind.NONDETERMINISTIC) \
             and run.shrink in ("ops", "hypothesis+ops") and failure.operations:
         minimize_failure(failure, factory, spec, impl_config, res, run.timeout, known)
+    if failure is not None and failure.kind == FailureKind.TIMEOUT and failure.operations:
+        from conformance.suite.minimize import HANG_NOT_MINIMIZED
+
+        notes.append(HANG_NOT_MINIMIZED)
     met = known_defects_met(recorder, factory, spec, impl_config, res, run, known)
     if status == "passed":
         failure = coverage_failure(spec, recorder, outcome.examples, why, faulted=env is not None,

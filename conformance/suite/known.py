@@ -80,6 +80,26 @@ def expectations_for(impl: str, version: str, explicit: str | Path | None = None
     return load_for_run(path, engine_ids) if path else None
 
 
+def check_expectations_engine(doc: dict, path, impl: str, name: str, build: str = "") -> None:
+    """``--expectations FILE`` of another engine is a usage error naming both:
+    its known defects and expected failures would be matched against another
+    engine's failures (a vLLM defect's signature explaining a reference
+    failure: a false "as expected"), and its unlisted checks expected to
+    pass.  The file fits when it lists the run's ``--impl`` among its ``impl``
+    or names the implementation (its ``name``, or its build) as its
+    ``engine``.  Another *version* of the same engine is allowed: judging a
+    new release by the previous release's file is how an upgrade starts
+    (docs/upgrading-vllm.md), and FIXED says what the new release mended."""
+    impls = doc.get("impl")
+    impls = [impls] if isinstance(impls, str) else list(impls or [])
+    engine = str(doc.get("engine", ""))
+    if impl in impls or engine in {name, build} - {""}:
+        return
+    listed = f" (impl {', '.join(impls)})" if impls else ""
+    raise UsageError(f"--expectations {path}: the file is for the engine {engine!r}{listed}, this run is of "
+                     f"{name!r} (--impl {impl}); use {name}'s expectations file, or write one")
+
+
 def check_fix_target(mutant_name: str | None, expectations: Expectations | None) -> None:
     """A fix (a mutant of bug class FIX) names the known defect whose cause it
     removes: an id the engine version's table does not hold is a usage error."""
@@ -128,19 +148,28 @@ def replay_pinned(expectations: Expectations | None, factory, model, oracle, tim
     ``not replayed`` (an engine-level repro: the engine run replays those)."""
     if expectations is None:
         return []
+    return [replay_defect(expectations, d, factory, model, oracle, timeout) for d in pinned_defects(expectations)]
+
+
+def pinned_defects(expectations: Expectations | None) -> list[str]:
+    """The open defects with a pinned repro, in the file's order: one replay (and one plugin item) each."""
+    if expectations is None:
+        return []
+    return [d.id for d in expectations.table.open() if d.repro is not None]
+
+
+def replay_defect(expectations: Expectations, defect_id: str, factory, model, oracle,
+                  timeout: float | None) -> dict:
+    """The replay of one open defect's pinned repro (a record as ``replay_pinned`` makes)."""
     from conformance.results.pinned import load_any
 
-    out = []
-    for defect in expectations.table.open():
-        if defect.repro is None:
-            continue
-        pinned = load_any(defect.repro)
-        if pinned.level != "cache":
-            out.append({"defect": defect.id, "outcome": "not replayed", "repro": str(defect.repro),
-                        "note": "an engine-level repro: run --impl vllm-engine replays it"})
-            continue
-        out.append(replay_one(expectations.table, defect, pinned, factory, model, oracle, timeout))
-    return out
+    defect = expectations.table.defects[defect_id]
+    assert defect.repro is not None, "an open defect pins a repro (validated when the file is loaded)"
+    pinned = load_any(defect.repro)
+    if pinned.level != "cache":
+        return {"defect": defect.id, "outcome": "not replayed", "repro": str(defect.repro),
+                "note": "an engine-level repro: run --impl vllm-engine replays it"}
+    return replay_one(expectations.table, defect, pinned, factory, model, oracle, timeout)
 
 
 def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeout) -> dict:

@@ -21,6 +21,11 @@ from conformance.harness.ops import Op
 from conformance.harness.session import make_session
 from conformance.judge import standard_checkers
 
+# Why a hang's repro is not minimized, said in its check's result: every replay of a subset would wait
+# out the timeout again (a hanging disaggregated adapter cost about 6x --timeout a check that way).
+HANG_NOT_MINIMIZED = ("not minimized: the failure is a hang (timeout), and each replay of a shorter sequence would "
+                      "wait out the timeout again; the repro holds the operations as they ran")
+
 
 def replay_fails(factory, impl_config, model, oracle, ops: list[Op], attach=None,
                  timeout: float | None = 30.0, families: tuple[str, ...] = ()):

@@ -29,6 +29,18 @@ class ProgressFn(Protocol):
 
 SHRINKS = ("ops", "hypothesis+ops", "hypothesis", "none")
 
+# The longest an implementation call may be given (--timeout, seconds): a day.  A call allowed longer
+# has no timeout worth the name, and the alarm that cuts a hang (harness/guard.py, setitimer)
+# overflows on absurd values (1e308: "timestamp out of range"), after the run has started.
+MAX_TIMEOUT = 86400.0
+
+
+def timeout_problem(value) -> str | None:
+    """Why ``value`` cannot be a call timeout in seconds (None when it can):
+    a finite number above 0 and at most :data:`MAX_TIMEOUT`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= MAX_TIMEOUT
+    return None if ok else f"must be a finite number above 0 and at most {MAX_TIMEOUT:g} (a day)"
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -111,13 +123,16 @@ def now() -> str:
 
 def parse_options(pairs: list[str]) -> dict:
     """``["k=v", ...]`` (``--option``, ``--hybrid-option``) -> ``{k: v}``, values read as JSON when they parse."""
-    out = {}
+    out: dict = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--option {pair!r}: expected KEY=VALUE")
         try:
-            out[key] = json.loads(value)
+            parsed = json.loads(value)
         except json.JSONDecodeError:
-            out[key] = value
+            parsed = value
+        if key in out and out[key] != parsed:  # which one was meant? (the same value twice is harmless)
+            raise UsageError(f"--option {key}: given twice, as {out[key]!r} and {parsed!r}")
+        out[key] = parsed
     return out

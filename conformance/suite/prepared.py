@@ -83,6 +83,16 @@ class Run:
     # The engine version's expectations file (known defects, per-check expectations: conformance.suite.known),
     # validated here; its known defects are recorded and explored past, never raised. None: no file.
     expectations: Expectations | None = None
+    # The whole run's plan before the shard's cut (a shard records it: a merge tells a missing shard's checks).
+    unsplit: tuple[str, ...] = ()
+    # An engine-level run (--impl vllm-engine: conformance.suite.engine_level.EnginePlan): whole engines run
+    # its checks, planned by id; ``checks`` is then empty.  None: a cache-level run.
+    engine: Any = None
+
+    @property
+    def planned_ids(self) -> list[str]:
+        """The ids of every check this run plans, in order (either level)."""
+        return list(self.engine.planned) if self.engine is not None else [p.id for p in self.checks]
 
 
 @dataclass

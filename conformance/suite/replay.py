@@ -73,18 +73,69 @@ def choose_mutant(repro: Repro, impl: str, cli_impl: str | None,
     return repro.mutant, notes
 
 
-def build_factory(impl: str, mutant: str | None):
+def build_factory(impl: str, mutant: str | None, from_file: bool = False):
+    """The implementation to replay on, the mutant applied (``from_file``: the
+    file names it, so a mutant that does not fit is the file's error)."""
     factory = resolve(impl)
     if mutant:
+        from conformance.suite.prepare import check_mutant_target
         from fault_injection.catalog import get_mutant
 
         try:
-            factory = get_mutant(mutant).wrap(factory)
+            found = get_mutant(mutant)
         except KeyError as exc:
             raise UsageError(f"mutant: {exc.args[0]}") from None
+        # a mutant of another implementation would raise inside the replay (exit 3) or test nothing
+        try:
+            check_mutant_target(found, impl, factory, who=f"mutant {mutant!r}" if from_file else None,
+                                said=impl if from_file else None)
+        except UsageError as exc:
+            raise (ReproFormatError(str(exc)) if from_file else exc) from None
+        try:
+            factory = found.wrap(factory)
         except TypeError as exc:
             raise UsageError(f"mutant {mutant}: {exc}") from None
     return factory
+
+
+def check_repro(repro: Repro) -> None:
+    """What the file names, checked before it runs, whatever this replay
+    applies of it: a damaged file is exit 2 with the field, never a
+    traceback (exit 1: "reproduced") nor a replay that cannot reproduce
+    (exit 0: "not reproduced").  Its check must be one of this suite (a
+    scenario names none), its mutant and faults registered ones (even when
+    ``--mutant none`` or another ``--impl`` leaves them out: the file is wrong
+    either way), its model one the harness can build, its pools ones it can
+    allocate."""
+    from conformance.suite.checks import get_check
+    from conformance.suite.limits import memory_problem, model_problem
+
+    if repro.check:
+        try:
+            get_check(repro.check)
+        except KeyError as exc:
+            raise ReproFormatError(f"check: {exc.args[0]}") from None
+    if repro.mutant:
+        from fault_injection.catalog import get_mutant
+
+        try:
+            get_mutant(repro.mutant)
+        except KeyError as exc:
+            raise ReproFormatError(f"mutant: {exc.args[0]}") from None
+    if repro.faults:
+        from fault_injection.environment import build_faults
+
+        try:
+            build_faults(tuple(repro.faults), repro.seed)
+        except KeyError as exc:
+            raise ReproFormatError(f"faults: {exc.args[0]}") from None
+    why = model_problem(repro.model)
+    if why:
+        raise ReproFormatError(f"model.{why}" if why.split(":")[0].isidentifier() else f"model: {why}")
+    c = repro.impl_config
+    why = memory_problem(repro.model, c.block_size, c.num_kv_blocks, c.num_state_slots)
+    if why:
+        raise ReproFormatError(f"impl_config: {why}")
 
 
 def _build_faults(names: list[str], seed: int):
@@ -107,6 +158,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     """Apply the file's operations to a fresh session.  Raises UsageError for
     what cannot run here, ReproFormatError for operations the session rejects.
     ``keep_events``: the whole history in ``events`` (else its tail)."""
+    check_repro(repro)
     impl = choose_impl(repro, cli_impl, trust_impl)
     mutant, notes = choose_mutant(repro, impl, cli_impl, cli_mutant)
     # Faults travel with the mutant: "--mutant none" or another implementation
@@ -115,7 +167,7 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     faults = list(repro.faults) if use_faults and not dropped else []
     if repro.faults and not faults:
         notes.append(f"faults {', '.join(repro.faults)} not applied")
-    factory = build_factory(impl, mutant)
+    factory = build_factory(impl, mutant, from_file=cli_mutant is None)
     prepare_factory(factory, repro)
     env = _build_faults(faults, repro.seed)
     if model is None or model.config != repro.model:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hypothesis.errors import Flaky
 from hypothesis.statistics import collector
 
 from conformance.errors import Abandoned, ConformanceFailure, FailureKind, ImplementationError, UsageError
@@ -51,11 +52,39 @@ def run_machine(test: Callable[[], None], recorder: Recorder) -> MachineOutcome:
                               examples)
     except UsageError:
         raise
+    except Flaky as exc:  # the implementation failed, then did not fail on the same draws: it is not deterministic
+        return MachineOutcome("failed", nondeterministic(exc, recorder, examples_of(stats)), examples_of(stats))
     except Exception as exc:  # noqa: BLE001 - a harness-side crash is reported, never a pass
         return MachineOutcome("error", Failure(kind=FailureKind.HARNESS, message=f"{type(exc).__name__}: {exc}",
                                                operations=recorder.failure[1] if recorder.failure else []),
                               examples_of(stats))
     return MachineOutcome("passed", None, examples_of(stats))
+
+
+def nondeterministic(flaky: Exception, recorder: Recorder, examples: int | None) -> Failure:
+    """The failure of an implementation that does not repeat itself: the first
+    failure Hypothesis met (its message, operations and events, as recorded
+    when it happened), of kind ``nondeterministic``, with a note that its
+    replay did not fail again.  The implementation's problem, never the
+    harness's: a cache whose decisions depend on addresses, clocks or chance
+    cannot be tested by replay, nor can its users reproduce what it does."""
+    first = next((e for e in getattr(flaky, "exceptions", ()) if isinstance(e, (ConformanceFailure,
+                                                                                  ImplementationError))), None)
+    recorded = recorder.failure
+    if first is None and recorded is not None:
+        first = recorded[0]
+    steps, events = (recorded[1], recorded[2]) if recorded else ([], [])
+    if first is not None:
+        what = f"{getattr(first, 'kind', type(first).__name__)}: {first}"
+    else:  # the draws themselves changed on replay: the implementation steered them otherwise
+        what = f"the same draws led elsewhere when replayed ({type(flaky).__name__}: {str(flaky).splitlines()[0]})"
+    note = ("replaying the same operations did not fail again: the implementation does not repeat itself "
+            "(iteration over a set of objects hashed by address, a clock, a random draw, state kept across "
+            "instances...); the repro below is the first failure as it happened")
+    done = recorder.first_failure or (None, None)
+    return Failure(kind=FailureKind.NONDETERMINISTIC, message=f"nondeterministic: {what}\n{note}", operations=steps,
+                   events=events[-12:], examples_to_failure=examples if examples is not None else done[0],
+                   test_cases_to_failure=done[0], seconds_to_failure=done[1])
 
 
 # The phases whose test cases Hypothesis counts towards max_examples (not shrinking, not explaining).

@@ -1,5 +1,5 @@
 """Executes one worker-tagged :class:`RequestStep` on that worker's memory
-with the harness's model, as :class:`conformance.runner.Runner` does for the
+with the harness's model, as :class:`conformance.harness.runner.Runner` does for the
 single-worker memory.
 
 The decode worker runs a paged *decode kernel*: it reads whole KV blocks

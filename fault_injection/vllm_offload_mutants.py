@@ -54,6 +54,25 @@ def mamba_clamp_reverted(adapter):
     return adapter
 
 
+def eagle_pop_every_group(adapter):
+    """HIT: the fix of vllm#52735 taken back.  With EAGLE's block drop on
+    (``use_eagle_block_drop``, which MTP and EAGLE both use in 0.33) and no
+    KV group annotated as the drafter's (the tiny model has no drafter layer),
+    the offloading scheduler treats every group as a drafter group
+    (``GroupOffloadConfig.is_eagle_group``), so the volatile-tail pop applies
+    to the Mamba group too: a window of one chunk must then be found twice in
+    a row, and the tier's hit for a request is zeroed wherever the tier holds
+    the state at one boundary only."""
+    sched = _connector_scheduler(adapter)
+    spec = adapter.vllm_config.speculative_config
+    if spec is None or not spec.use_eagle_block_drop():
+        raise TypeError("vllm-offload-eagle-pop-every-group needs speculative decoding with EAGLE's block drop")
+    config = sched.config
+    sched.config = config._replace(kv_group_configs=tuple(g._replace(is_eagle_group=True)
+                                                          for g in config.kv_group_configs))
+    return adapter
+
+
 def store_fence_dropped(adapter):
     """TIER: vllm#42959's fence taken back.  A store whose source block the
     scheduler may free before the store has read it (a window's block; here
@@ -111,6 +130,7 @@ def finished_store_fence_dropped(adapter):
 
 VLLM_OFFLOAD_MUTANTS: dict[str, Callable] = {
     "vllm-offload-mamba-clamp-reverted": mamba_clamp_reverted,
+    "vllm-offload-eagle-pop-every-group": eagle_pop_every_group,
 }
 
 # Fixes taken back that the general suite does not catch yet, so not registered
@@ -134,6 +154,9 @@ CANDIDATES: dict[str, Callable] = {
 # prompt's tail, one block earlier).
 OPTIONS: dict[str, dict] = {name: {"connector": "offload-lru"} for name in VLLM_OFFLOAD_MUTANTS}
 OPTIONS["vllm-offload-mamba-clamp-reverted"]["retention_interval"] = None
+# The drafter's block drop is the fallback's code path (as the matrix's drafter variant runs it).
+OPTIONS["vllm-offload-eagle-pop-every-group"].update(spec_tokens=2, spec_lookahead_hashes=False,
+                                                    retention_interval=None)
 
 for _name, _apply in VLLM_OFFLOAD_MUTANTS.items():
     register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm",

@@ -14,6 +14,7 @@ from fault_injection import (
     spec_mutants,
     tier_mutants,
     vllm_mutants,
+    vllm_offload_mutants,
     vllm_pd_mutants,
     window_mutants,
 )
@@ -21,7 +22,7 @@ from fault_injection.registry import MUTANTS, Mutant
 
 # imported for their registrations (disagg_mutants: target "reference-disagg", the disagg family's)
 _MODULES = (reference_mutants, retention_mutants, disagg_mutants, tier_mutants, spec_mutants, vllm_mutants,
-            vllm_pd_mutants, sglang_mutants, window_mutants)
+            vllm_offload_mutants, vllm_pd_mutants, sglang_mutants, window_mutants)
 
 
 def all_mutants() -> dict[str, Mutant]:

@@ -23,6 +23,9 @@ class Mutant:
     # removes (conformance.results.defects).  A run with it must say FIXED for that defect; the
     # mutants self-check never runs it (there is nothing to catch).
     fixes: str | None = None
+    # The check family whose checks meet its code path (``"tier"``: a mutant of the
+    # second tier), or None: every check of the profile.  The self-check runs only those.
+    family: str | None = None
 
     def wrap(self, factory):
         return self.apply(factory)
@@ -32,12 +35,12 @@ MUTANTS: dict[str, Mutant] = {}
 
 
 def register(name: str, bug_class: str, target: str = "reference", options: dict | None = None,
-             fixes: str | None = None):
+             fixes: str | None = None, family: str | None = None):
     """Decorator for a function ``factory -> factory``; its docstring is the description."""
 
     def deco(fn):
         MUTANTS[name] = Mutant(name, bug_class, (fn.__doc__ or "").strip(), target, fn,
-                               tuple((options or {}).items()), fixes)
+                               tuple((options or {}).items()), fixes, family)
         return fn
 
     return deco

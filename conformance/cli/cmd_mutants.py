@@ -90,6 +90,8 @@ def planned_checks(mutant, profile: str) -> list[str]:
         specs = tuple(s for s in specs if s.disagg)
     if mutant is not None and mutant.target.endswith("-spec"):  # only checks that verify drafts meet the code
         specs = tuple(s for s in specs if s.spec)
+    if mutant is not None and getattr(mutant, "family", None):  # e.g. a mutant of the second tier: the tier family
+        specs = tuple(s for s in specs if s.family == mutant.family)
     return [s.id for s in specs]
 
 

@@ -162,6 +162,17 @@ WAIVERS: tuple[DesignWaiver, ...] = (
         declared=lambda d: d.get("tier_over_local") is False,
         contradicted="the implementation declares tier_over_local=False, yet {n} hits read host-tier loads past a "
                      "local hit (memory's load ids): the declaration does not hold"),
+    # A tier with no path for a lost load (declared: vLLM's OffloadingConnector,
+    # whose worker asserts every job succeeded) has its loads decided in time only
+    # (generate/rules/transfers.py): no host entry is evicted under a load.
+    DesignWaiver(
+        "store_evicted_during_load",
+        "the implementation declares tier_losses=False (its tier has no path for a lost load): loads were decided "
+        "in time only (late, out of order), none failed, short or evicted under the load; --faults injects those "
+        "against its recorded limitation",
+        declared=lambda d: d.get("tier_losses") is False,
+        contradicted="the implementation declares tier_losses=False, yet {n} loads met a store eviction (under "
+                     "--faults, or the declaration does not hold)"),
     DesignWaiver(
         "state_outlives_kv",
         "{chances} times memory lost KV below a state this cache had cached, and each time the state was gone by "

@@ -194,7 +194,9 @@ def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeo
         # A timeout is retried once with four times the time: on a loaded machine building an engine can
         # take longer than a call should, and a pinned repro must not read "changed" for that.
         try:
-            exc, _session = replay_fails(factory, repro.impl_config, model, oracle, repro.operations, None,
+            # A limitation met only under environment faults pins a repro with them (seeded: the same firings).
+            attach = _faults_of(repro)
+            exc, _session = replay_fails(factory, repro.impl_config, model, oracle, repro.operations, attach,
                                          timeout=attempt_timeout, families=observers_of(repro.check))
         except (ConformanceFailure, ImplementationError) as raised:  # the implementation could not even be built
             exc = raised
@@ -209,6 +211,15 @@ def replay_one(table: DefectTable, defect, pinned, factory, model, oracle, timeo
     if match is not None and match.defect.id == defect.id:
         return {**record, "outcome": "reproduces", "kind": exc.kind, "message": str(exc)[:500]}
     return {**record, "outcome": "changed", "kind": getattr(exc, "kind", None), "message": str(exc)[:500]}
+
+
+def _faults_of(repro):
+    """The repro's environment faults, fresh, as its run attached them (None without)."""
+    if not repro.faults:
+        return None
+    from fault_injection.environment import build_faults
+
+    return build_faults(tuple(repro.faults), repro.seed).attach
 
 
 def minimize_known(met, factory, impl_config, model, oracle, observe, known: Classifier, timeout,

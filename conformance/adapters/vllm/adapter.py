@@ -31,6 +31,38 @@ from conformance.adapters.vllm.translate import RunnerState
 from conformance.adapters.vllm.view import HashRegistry, build_view
 from conformance.contract import ImplConfig, Layout, Request, Speculation, StepPlan, StepResult
 
+# vLLM's own offloading connector as the tier (.offloading), on every axis its
+# scheduler treats apart, in as few variants as cover them (each costs the tier
+# check's time once more: 40-90 s for tier-reuse and 40-70 s for tier-races on the
+# shared 2-core machine under load 25): both CPUOffloadingManager policies;
+# MambaMixer2 (a prefill checkpoint block) and GDN as on a CPU (blocks of 8);
+# whole-block and sub-block matching (partial tails: supports_partial_tail needs a
+# match unit below the block); retention interval 0 (vLLM's default: only the
+# reachable boundaries' states are handed off to the tier), 8 and dense;
+# speculative decoding as the adapter configures it: EAGLE's block drop (0.33's
+# use_eagle_block_drop) and MTP.  Interval 0 offloads states only where the device
+# keeps them (a prompt's tail, a junction), so a host hit longer than a local one
+# (tier-reuse's tier_hits_over_local) and a remote-only expectation under a drafter's
+# drop (tier-races' remote_expected) are reached at some seeds only (seed 1: 0):
+# tier-reuse runs the default policy dense, tier-races runs it at interval 0, and
+# the drafters run dense (as the spec family does).  KDA and window groups join when
+# the adapter builds them (an entry here with their ``layer``).
+_OFFLOAD_SUB_BLOCK = {"connector": "offload-arc", "layer": "gdn", "prefix_match_unit": 1, "retention_interval": 8}
+# (GDN there: MambaMixer2's spec meets the known subblock-registration under sub-block
+# matching in the first examples, and the check stops exploring there: seed 0, one example)
+_OFFLOAD_DRAFTERS = ({"connector": "offload-lru", "spec_tokens": 2, "spec_lookahead_hashes": False,
+                      "retention_interval": None},
+                     {"connector": "offload-arc", "spec_tokens": 2, "spec_method": "mtp", "retention_interval": None})
+# (The two drafters draw the same counters in a tier check, which proposes no drafts: 0.33 takes both
+# through use_eagle_block_drop; measured at seeds 0-4.  tier-reuse runs one, tier-races both.)
+OFFLOAD_VARIANTS: dict[str, tuple[dict[str, Any], ...]] = {
+    "tier-reuse": ({"connector": "offload-lru", "retention_interval": None}, _OFFLOAD_SUB_BLOCK, _OFFLOAD_DRAFTERS[0]),
+    "tier-races": ({"connector": "offload-lru"}, _OFFLOAD_SUB_BLOCK, *_OFFLOAD_DRAFTERS),
+}
+_STORE_VARIANTS: tuple[dict[str, Any], ...] = (
+    {"connector": "async"}, {"connector": "divergent"},
+    {"connector": "async", "prefix_match_unit": 1}, {"connector": "divergent", "prefix_match_unit": 1})
+
 # Any token id: ignore_eos=True keeps it from ending a request early.
 _EOS = 2
 
@@ -75,8 +107,12 @@ class VllmCache:
             c = connector_options(o.connector)
             connector = "divergent" if c["divergent"] else "plain"
             async_ = c["async"]
+        if o.offload:  # vLLM's OffloadingConnector (.offloading): another connector, asynchronous loads
+            # (not "plain": the store connector's hit-rate limitations were measured on that connector;
+            # none showed under this one, at seeds 0-4 of its variants)
+            connector, async_ = "offload", True
         return {"layer": o.layer, "block_size": o.block_size, "prefix_match_unit": o.prefix_match_unit,
-                "sub_block": o.prefix_match_unit < o.block_size, "connector": connector,
+                "sub_block": o.prefix_match_unit < o.block_size, "connector": connector, "offload": o.offload,
                 "connector_async": async_ if connector else None,
                 "spec": o.spec_method if o.spec_tokens else None, "spec_tokens": o.spec_tokens or 0}
 
@@ -95,8 +131,9 @@ class VllmCache:
     config_matrix: dict[str, tuple[dict[str, Any], ...]] = {
         "mid-block": ({"prefix_match_unit": 1}, {"prefix_match_unit": 1, "layer": "gdn"}),
         "chunked-prefill": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "layer": "gdn"}),
-        "tier": ({"connector": "async"}, {"connector": "divergent"},
-                 {"connector": "async", "prefix_match_unit": 1}, {"connector": "divergent", "prefix_match_unit": 1}),
+        "tier": _STORE_VARIANTS,
+        # vLLM's own offloading connector beside the store connector (OFFLOAD_VARIANTS above)
+        **{check: (*_STORE_VARIANTS, *variants) for check, variants in OFFLOAD_VARIANTS.items()},
         "retention": tuple({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
         # KDA beside MambaMixer2 (two Mamba groups, .config.MIXED_LAYERS), both orders at interval 8: the
         # scheduler takes the first Mamba group's checkpoint alignment only (scheduler.py:435-443), so with
@@ -144,6 +181,10 @@ class VllmCache:
             from conformance.adapters.vllm.connector import connector_transfer_config
 
             kv_transfer = connector_transfer_config(self.opts.connector)
+        elif self.opts.offload:
+            from conformance.adapters.vllm.offloading import offloading_transfer_config
+
+            kv_transfer = offloading_transfer_config(self.opts)
         # As the engine core starts: the layout, the start-up check (max_model_len fitted to the
         # pool unless asked for), the hash sizes resolved onto the configs (.startup).
         self.startup = start(self.opts, kv_transfer)
@@ -156,6 +197,11 @@ class VllmCache:
                                    block_size=self.opts.block_size, hash_block_size=self.opts.prefix_match_unit,
                                    log_stats=True)
         self.connector = self.scheduler.connector
+        if self.opts.offload:  # vLLM's OffloadingConnector: the harness drives its worker role (.offloading)
+            from conformance.adapters.vllm.offloading import OffloadingTier
+
+            self.connector = OffloadingTier.build(self.scheduler, self.vllm_config, self.kv_cache_config,
+                                                  self.opts.offload)
         if self.connector is not None:
             self.connector.bind_adapter(self)
         self._hasher = get_request_block_hasher(self.opts.prefix_match_unit, sha256)
@@ -303,6 +349,13 @@ class VllmCache:
             # the offered hit joined with a host state (the external tokens
             # are one suffix loaded into new blocks, kv_cache_manager.py:455-473).
             decl["tier_unit"] = o.block_size
+            if o.offload:
+                # vLLM's OffloadingConnector has no path for a lost load: its worker
+                # asserts that every job succeeded (offloading/worker.py get_finished,
+                # "we currently do not support job failures"), and nothing checks the
+                # bytes that landed.  tier-races decides its loads in time only; the
+                # loss faults (--faults) meet the recorded limitation.
+                decl["tier_losses"] = False
         return decl
 
     def speculation(self) -> Speculation | None:

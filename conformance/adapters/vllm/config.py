@@ -75,6 +75,10 @@ LAYERS = ("mamba2", "gdn", "kda", *MIXED_LAYERS)
 # ``tier-reuse[connector=divergent]``).
 CONNECTOR_FORMS = {"async": {}, "divergent": {"divergent": True}, "sync": {"async": False},
                    "divergent-sync": {"divergent": True, "async": False}}
+# vLLM's own offloading connector in the same slot, by its manager's policy
+# (vllm/v1/kv_offload/cpu/policies/factory.py): one option, one tier, so a
+# user's --option connector=offload-arc replaces every tier variant's choice.
+OFFLOAD_FORMS = {"offload-lru": "lru", "offload-arc": "arc"}
 
 # The tiny model the specs describe: the harness's default model
 # (fixtures/models/tiny-hybrid.toml), one attention layer's KV and one
@@ -106,6 +110,9 @@ class VllmOptions:
     - ``connector``: ``None``, ``true`` or ``{"divergent": bool, "async": bool}`` to plug in
       the store connector over the harness's host tier (see :mod:`.connector`); the
       strings ``"async"``, ``"divergent"``, ``"sync"``, ``"divergent-sync"`` name the same.
+      ``"offload-lru"`` / ``"offload-arc"``: vLLM's own ``OffloadingConnector`` instead,
+      with its ``CPUOffloadingManager`` under that policy, the harness as its worker
+      (:mod:`.offloading`; ``offload`` then names the policy).
     - ``layer``: whose ``get_kv_cache_spec`` the Mamba group follows: ``"mamba2"``
       (``MambaMixer2``: one prefill checkpoint block, alignment 1), ``"gdn"``
       (Gated DeltaNet as it runs on a CPU or with Triton: none), ``"kda"``
@@ -142,6 +149,8 @@ class VllmOptions:
     @property
     def has_mamba(self) -> bool:
         return "R" in self.layer_kinds if self.layer_kinds else True
+
+    offload: str | None = None  # the policy, with connector="offload-lru" / "offload-arc" (.offloading)
 
     @classmethod
     def from_config(cls, config: ImplConfig) -> VllmOptions:
@@ -182,12 +191,15 @@ class VllmOptions:
             raise ValueError(f"spec_tokens {spec[0]} above the block size {bs}: vLLM's coordinator refuses a block "
                              f"size below the prefill lookahead, and a verification would span more than one "
                              f"block boundary")
-        return cls(block_size=bs, num_blocks=config.num_kv_blocks, prefix_match_unit=pmu,
+        connector = connector_option(o.get("connector"))
+        named = o.get("connector")
+        offload = OFFLOAD_FORMS.get(named) if isinstance(named, str) else None
+        return cls(block_size=bs, num_blocks=config.num_kv_blocks, prefix_match_unit=pmu, offload=offload,
                    spec_tokens=spec[0], spec_method=spec[1], spec_lookahead_hashes=spec[2],
                    retention_interval=interval, admission=admission,
                    max_num_seqs=int(o.get("max_num_seqs", 16)), max_model_len=_length(o.get("max_model_len")),
                    shared_prefix_checkpoint=bool(o.get("shared_prefix_checkpoint", False)),
-                   connector=connector_option(o.get("connector")), layer=layer, layer_kinds=kinds,
+                   connector=connector, layer=layer, layer_kinds=kinds,
                    layer_windows=tuple(config.layer_windows))
 
 
@@ -207,9 +219,11 @@ def connector_option(value) -> dict | None:
     if value is True:
         return {}
     if isinstance(value, str):
+        if value in OFFLOAD_FORMS:
+            return None  # not the store connector: VllmOptions.offload
         if value not in CONNECTOR_FORMS:
             raise ValueError(f"unknown connector {value!r} (expected true, a table, or one of "
-                             f"{sorted(CONNECTOR_FORMS)})")
+                             f"{sorted(CONNECTOR_FORMS) + sorted(OFFLOAD_FORMS)})")
         return dict(CONNECTOR_FORMS[value])
     if isinstance(value, dict):
         return dict(value)

@@ -29,6 +29,25 @@ class Transfers(MachineBase):
     def _loading(self) -> bool:
         return self.enabled("transfers") and self.session is not None and bool(self.session.pending_loads())
 
+    def _losses(self) -> bool:
+        """Whether the tier under test has a path for a lost load (failed, short,
+        its host entry gone).  One that declares ``retention()["tier_losses"]``
+        false has none by design (vLLM's OffloadingConnector over process
+        memory: its worker asserts that every job succeeded), so its loads are
+        decided only in time (late, out of order); the lost ones are then
+        ``--faults``' to inject, against a recorded limitation."""
+        session = self.session
+        if getattr(self, "_losses_of", None) is not session:
+            retention = getattr(session.impl, "retention", None)
+            decl = session.call("retention") if callable(retention) else None
+            self._losses_of, self._losses_are = session, not (isinstance(decl, dict)
+                                                              and decl.get("tier_losses") is False)
+        return self._losses_are
+
+    def _fate(self, outcome: str) -> str:
+        """``outcome``, or a whole delivery where the tier has no path for a loss."""
+        return outcome if outcome == "ok" or self._losses() else "ok"
+
     @configured_rule(precondition=lambda self: self.enabled("transfers") and self.session is not None
                      and self.finished,
                      which=lambda c: st.integers(0, 7), junk=junk_prompts,
@@ -61,12 +80,13 @@ class Transfers(MachineBase):
         decided = False
         for i, (pick, outcome, delay) in enumerate(fates):
             if self.session.pending_loads():
-                if i == 0 and not self.session.control.counts["store_evicted"]:
+                if i == 0 and not self.session.control.counts["store_evicted"] and self._losses():
                     # the first decision of an example that has evicted no host entry under a load yet
                     # evicts one (the controller's record, not a judge's counter): drawn one in four, it
                     # missed every pending reload of vLLM's tier-races[connector=async,prefix_match_unit=1]
                     # at seed 5, three in 25 examples
                     outcome = "evict"
+                outcome = self._fate(outcome)
                 self.apply(StoreEvict(pick) if outcome == "evict" else Deliver(pick, outcome, delay))
                 decided = True
         if decided:
@@ -75,9 +95,9 @@ class Transfers(MachineBase):
     @configured_rule(precondition=lambda self: self._loading(), pick=lambda c: st.integers(0, 3),
                      outcome=lambda c: st.sampled_from(OUTCOMES), delay=lambda c: st.integers(0, 2))
     def deliver(self, pick, outcome, delay):
-        self.apply(Deliver(pick, outcome, delay))
+        self.apply(Deliver(pick, self._fate(outcome), delay))
 
-    @configured_rule(precondition=lambda self: self._loading(), pick=lambda c: st.integers(0, 3))
+    @configured_rule(precondition=lambda self: self._loading() and self._losses(), pick=lambda c: st.integers(0, 3))
     def store_evict(self, pick):
         self.apply(StoreEvict(pick))
 
@@ -134,6 +154,7 @@ class Transfers(MachineBase):
                 if i == 3:
                     self.apply(Step(1))  # the tiers are compared, the loads issued
                     if self.session.pending_loads():
+                        fate = self._fate(fate)
                         self.apply(StoreEvict(0) if fate == "evict" else Deliver(0, fate, 0))
                 self.apply(Drain(1024))
             if i == 0:

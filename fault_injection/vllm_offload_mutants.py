@@ -1,0 +1,163 @@
+"""Fix-reverted mutants of vLLM 0.33's offloading connector (``--option connector=offload-lru``).
+
+Each mutant takes back one upstream fix that vLLM 0.33.0 ships in
+``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py``, on one
+adapter instance (``VllmCache`` with vLLM's ``OffloadingConnector``, see
+``conformance/adapters/vllm/offloading.py``), by patching the attribute or the
+bound method of that instance's scheduler-side connector that holds the fix: no
+vLLM code is copied, no vLLM class is modified.  The suite must catch each
+through its general checks (logits against the no-cache reference, the
+invariants, the expected-hit oracle), never by the mutant's own crash.
+
+Registered with target ``"vllm"`` and the options its code path needs (the
+offloading tier, and what else the fix is about).  The issue's other
+candidates, and why they are not here (docs/vllm-adapter.md, "vLLM's own
+offloading tier"):
+
+- vllm#51100 (the chunk-boundary alignment of ``resolve_mamba_align_size`` for
+  ``mamba_cache_mode="all"``): moot in 0.33.0, whose ``config/cache.py`` has
+  ``MambaCacheMode = Literal["align", "none"]`` (line 176): no ``all`` mode
+  to align, and ``none`` caches no prefix;
+- vllm#48911 (the reachability masks) and vllm#56709 (a window's extra
+  retained tokens): both act on ``SlidingWindowSpec`` groups only
+  (``_reachable_store_block_mask``: the full-attention mask is ``None`` and a
+  Mamba group's stores are the scheduler's hand-offs;
+  ``get_sliding_window_size_in_chunks``: ``extra_retained_tokens`` is a
+  ``SlidingWindowSpec`` field), which the adapter does not build yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fault_injection.registry import instance_mutant, register
+
+
+def _connector_scheduler(adapter):
+    tier = getattr(adapter, "connector", None)
+    sched = getattr(getattr(tier, "scheduler_connector", None), "connector_scheduler", None)
+    if sched is None:
+        raise TypeError("the offloading mutants apply to a VllmCache with --option connector=offload-lru|offload-arc")
+    return sched
+
+
+def mamba_clamp_reverted(adapter):
+    """TIER: vllm#44599 reverted.  The offloading scheduler no longer clamps the
+    hit window to the Mamba block (``_lookup_complete_chunks``:
+    ``round_down(max_hit_size_tokens, self._mamba_align_size)``, from
+    ``resolve_mamba_align_size``): the Mamba group is looked up like a window
+    of one chunk, so a prompt that ends exactly on a block boundary gets a hit
+    of all its tokens but one, and the state loaded for it is the one stored at
+    the boundary, which has already consumed the token the request computes
+    next."""
+    _connector_scheduler(adapter)._mamba_align_size = None
+    return adapter
+
+
+def eagle_pop_every_group(adapter):
+    """HIT: the fix of vllm#52735 taken back.  With EAGLE's block drop on
+    (``use_eagle_block_drop``, which MTP and EAGLE both use in 0.33) and no
+    KV group annotated as the drafter's (the tiny model has no drafter layer),
+    the offloading scheduler treats every group as a drafter group
+    (``GroupOffloadConfig.is_eagle_group``), so the volatile-tail pop applies
+    to the Mamba group too: a window of one chunk must then be found twice in
+    a row, and the tier's hit for a request is zeroed wherever the tier holds
+    the state at one boundary only."""
+    sched = _connector_scheduler(adapter)
+    spec = adapter.vllm_config.speculative_config
+    if spec is None or not spec.use_eagle_block_drop():
+        raise TypeError("vllm-offload-eagle-pop-every-group needs speculative decoding with EAGLE's block drop")
+    config = sched.config
+    sched.config = config._replace(kv_group_configs=tuple(g._replace(is_eagle_group=True)
+                                                          for g in config.kv_group_configs))
+    return adapter
+
+
+def store_fence_dropped(adapter):
+    """TIER: vllm#42959's fence taken back.  A store whose source block the
+    scheduler may free before the store has read it (a window's block; here
+    the Mamba group, a window of one chunk to this scheduler: the boundary
+    states the core scheduler hands off, and a partial tail's copy-on-write
+    source) is no longer registered in ``_block_id_to_pending_jobs`` when it
+    is created (``fenced_block_ids``), so when the block is allocated again
+    before the worker copied it, vLLM no longer waits for the store
+    (``jobs_to_flush``): the asynchronous copy reads what the block's new
+    owner wrote, and the CPU tier keeps it under the old prefix's key."""
+    sched = _connector_scheduler(adapter)
+    original = sched._build_connector_meta
+
+    def build(scheduler_output):
+        meta = original(scheduler_output)
+        for job_id in meta.store_jobs:
+            status = sched._jobs.get(job_id)
+            if status is not None and status.fenced_block_ids:
+                sched._remove_pending_job(job_id, status.fenced_block_ids)
+                status.fenced_block_ids = None
+        return meta
+
+    sched._build_connector_meta = build  # instance attribute only
+    return adapter
+
+
+def finished_store_fence_dropped(adapter):
+    """TIER: the flush of a finished request's pending stores taken back.  When
+    a request finishes, vLLM frees its blocks at once and registers the blocks
+    its pending store jobs still have to read (``deferred_fence_block_ids``,
+    ``request_finished`` and ``_build_store_jobs``), so that a block allocated
+    again before the worker copied it flushes the store first
+    (``jobs_to_flush``, waited on by the worker before the step computes).
+    Without it the deferred copy runs after the block's new owner wrote it,
+    and the CPU tier keeps the new owner's KV under the finished request's
+    key."""
+    sched = _connector_scheduler(adapter)
+    original = sched._build_connector_meta
+
+    def build(scheduler_output):
+        meta = original(scheduler_output)
+        kept = set()
+        for job_id in list(meta.jobs_to_flush or ()):
+            status = sched._jobs.get(job_id)
+            req = sched._req_status.get(status.req_id) if status is not None else None
+            if status is not None and status.is_store and req is not None and req.req.is_finished():
+                continue  # a finished request's store: not flushed
+            kept.add(job_id)
+        meta.jobs_to_flush = kept
+        return meta
+
+    sched._build_connector_meta = build
+    return adapter
+
+
+VLLM_OFFLOAD_MUTANTS: dict[str, Callable] = {
+    "vllm-offload-mamba-clamp-reverted": mamba_clamp_reverted,
+    "vllm-offload-eagle-pop-every-group": eagle_pop_every_group,
+}
+
+# Fixes taken back that the general suite does not catch yet, so not registered
+# (``mutants --impl vllm`` would read them as blind spots, which they are):
+# both put another request's bytes into a CPU chunk under a finished or running
+# request's key (measured: a store read after the block's new owner wrote it,
+# the chunk's provenance "after 17 tokens" under the key of 16), and the suite
+# sees it only when a later request loads that very chunk, before the device
+# has it again: the contract has no view of the host tier to check the chunks
+# against memory, and the tier checks' histories did not load one at seed 0
+# (tier-reuse and tier-races, 25 examples each, interval 0).
+CANDIDATES: dict[str, Callable] = {
+    "vllm-offload-store-fence-dropped": store_fence_dropped,
+    "vllm-offload-finished-store-fence-dropped": finished_store_fence_dropped,
+}
+
+# The offloading tier is the code path of every one of them, and the tier family's checks
+# are the ones that move prefixes through it (the self-check runs those only).  The
+# clamp matters where the tier holds the state at a prompt's last block boundary,
+# which dense retention keeps wherever a step ends on one (interval 0 keeps only a
+# prompt's tail, one block earlier).
+OPTIONS: dict[str, dict] = {name: {"connector": "offload-lru"} for name in VLLM_OFFLOAD_MUTANTS}
+OPTIONS["vllm-offload-mamba-clamp-reverted"]["retention_interval"] = None
+# The drafter's block drop is the fallback's code path (as the matrix's drafter variant runs it).
+OPTIONS["vllm-offload-eagle-pop-every-group"].update(spec_tokens=2, spec_lookahead_hashes=False,
+                                                    retention_interval=None)
+
+for _name, _apply in VLLM_OFFLOAD_MUTANTS.items():
+    register(_name, (_apply.__doc__ or "X:").split(":")[0].strip(), target="vllm",
+             options=OPTIONS[_name], family="tier")(instance_mutant(_name, _apply, "vllm"))

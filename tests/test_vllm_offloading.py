@@ -1,0 +1,119 @@
+"""vLLM's own offloading connector as the second tier (``--option connector=offload-lru|offload-arc``):
+vLLM's real Scheduler and OffloadingConnector (both roles) over its real CPUOffloadingManager, the
+harness as the worker (conformance/adapters/vllm/offloading.py), driven through the Session with
+hand-written sequences written for no mutant in particular.
+
+Runs only where vLLM is installed (``.venvs/main``)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed: pip install -e .[vllm]")
+
+from drive import session_of  # noqa: E402
+
+from conformance.adapters.vllm import VllmCache  # noqa: E402
+from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
+from conformance.contract import ImplConfig  # noqa: E402
+from conformance.errors import ConformanceFailure, ImplementationError  # noqa: E402
+from conformance.harness.ops import Drain, Submit  # noqa: E402
+from fault_injection.vllm_offload_mutants import OPTIONS, VLLM_OFFLOAD_MUTANTS  # noqa: E402
+
+B = 4
+PROMPT = tuple((7 * i + 3) % 60 + 1 for i in range(16))
+
+
+def junk(j: int, n: int = 17) -> tuple[int, ...]:
+    return tuple((11 * i + 5 * j + 2) % 60 + 1 for i in range(n))
+
+
+def make(model, oracle, policy="lru", num_blocks=14, mutant=None, **options):
+    impl = VllmCache(ImplConfig(block_size=B, num_kv_blocks=num_blocks, num_state_slots=num_blocks,
+                                options={"connector": f"offload-{policy}", **options}))
+    if mutant is not None:
+        impl = VLLM_OFFLOAD_MUTANTS[mutant](impl)
+    return session_of(impl, model, oracle)
+
+
+def reload_after_displacement(prompt=PROMPT, more=(5, 6)):
+    """A prompt, others that displace it from a small pool, then the prompt extended: what comes back
+    comes back from the CPU tier."""
+    ops = [Submit("a", prompt, 1), Drain(64), Submit("c", junk(9, 20), 1), Drain(64)]
+    for j in range(3):
+        ops += [Submit(f"j{j}", junk(j), 1), Drain(64)]
+    return ops + [Submit("b", prompt + more, 2), Drain(64)]
+
+
+def test_the_tier_is_vllms_own_connector_and_manager(model, oracle):
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    for policy, cls in (("lru", "LRUCachePolicy"), ("arc", "ARCCachePolicy")):
+        impl = make(model, oracle, policy).impl
+        tier = impl.connector
+        assert isinstance(impl.scheduler.connector, OffloadingConnector)
+        assert isinstance(tier.worker_connector, OffloadingConnector)
+        assert type(tier.manager) is CPUOffloadingManager
+        assert type(tier.manager._policy).__name__ == cls
+        assert impl.retention()["tier_unit"] == B and impl.retention()["tier_losses"] is False
+        assert impl.defect_facts(impl.config)["offload"] == policy
+
+
+def test_offload_names_a_tier_in_the_connector_slot():
+    o = VllmOptions.from_config(ImplConfig(block_size=B, options={"connector": "offload-arc"}))
+    assert o.offload == "arc" and o.connector is None
+    with pytest.raises(ValueError, match="offload-lru"):
+        VllmOptions.from_config(ImplConfig(block_size=B, options={"connector": "offload-fifo"}))
+
+
+@pytest.mark.parametrize("retention_interval", [0, None])
+def test_a_displaced_prompt_comes_back_from_the_cpu_tier(model, oracle, retention_interval):
+    s = make(model, oracle, retention_interval=retention_interval)
+    for op in reload_after_displacement():
+        s.apply(op)
+    tier = s.impl.connector
+    assert s.coverage["tier_loads"] > 0 and s.coverage["tier_hits"] > 0
+    assert tier.stats["store_jobs"] > 0 and tier.stats["load_jobs"] > 0
+    assert tier.stats["flushed"] > 0  # stores of finished requests' reused blocks, waited for before the step
+    assert tier.stats["host_evictions"] == 0  # the oracle reads the harness's store (offloading.host_chunks)
+
+
+def test_a_failed_load_stops_vllms_worker(model, oracle):
+    """vLLM 0.33 has no path for a failed job (the known limitation offload-no-loss-path): the harness
+    reports the failure as the wire did, and vLLM's own assertion stops the step."""
+    from fault_injection.environment import build_faults
+
+    s = make(model, oracle)
+    build_faults(("transfer-fail:p=1",), 0).attach(s)
+    with pytest.raises(ImplementationError, match="AssertionError"):
+        for op in reload_after_displacement():
+            s.apply(op)
+
+
+def test_the_mamba_clamp_mutant_is_caught_by_a_generic_sequence(model, oracle):
+    """A 14-token prompt caches its tail state (12) in the CPU tier; its first 12 tokens are asked
+    for after the device let them go: reverted, vLLM hits 11 tokens and loads the state after 12."""
+    prompt = PROMPT[:14]
+    ops = [Submit("a", prompt, 1), Drain(64)]
+    for j in range(4):
+        ops += [Submit(f"j{j}", junk(j), 1), Drain(64)]
+    ops += [Submit("b", prompt[:12], 2), Drain(64)]
+    s = make(model, oracle, num_blocks=24)
+    for op in ops:
+        s.apply(op)
+    s = make(model, oracle, num_blocks=24, mutant="vllm-offload-mamba-clamp-reverted")
+    with pytest.raises(ConformanceFailure) as caught:
+        for op in ops:
+            s.apply(op)
+    assert caught.value.kind == "logits"
+
+
+def test_offload_mutants_are_registered_for_the_tier_family():
+    from fault_injection.catalog import all_mutants
+
+    registered = all_mutants()
+    for name in VLLM_OFFLOAD_MUTANTS:
+        m = registered[name]
+        assert m.target == "vllm" and m.family == "tier" and dict(m.options)["connector"] == "offload-lru"
+        assert m.description and dict(m.options) == OPTIONS[name]

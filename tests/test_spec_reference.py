@@ -35,7 +35,8 @@ def test_the_spec_check_is_in_every_profile_and_last():
         ids = [c.id for c in profile.checks]
         assert "spec-decode" in ids
     quick = [c.id for c in PROFILES["quick"].checks]
-    assert quick[-1] == "spec-decode"  # appended: the checks before it keep their seeds
+    # each family appended in turn (spec, then windows): the checks before it keep their seeds
+    assert quick[quick.index("spec-decode"):] == ["spec-decode", "window-reuse", "window-spec"]
     spec = get_check("spec-decode")
     assert spec.family == "spec" and spec.spec
     assert set(spec.required) == set(SPEC_COUNTERS) - {"verify_steps"} | {"aborts_after_verify"}

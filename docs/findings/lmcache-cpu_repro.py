@@ -5,9 +5,9 @@ configuration of the suite's tiny hybrid model: one attention group, one Mamba
 group in align mode, blocks of 4, prefix caching on), with an LMCache MP server
 already started in CPU mode on loopback:
 
-    /work/venvs-extra/lmcache/bin/python -m lmcache.v1.multiprocess.server \\
+    .venvs/lmcache/bin/python -m lmcache.v1.multiprocess.server \\
         --host 127.0.0.1 --port 5599 --chunk-size 16 --l1-size-gb 0.05 --eviction-policy LRU
-    PYTHONPATH=$PWD /work/venvs-extra/lmcache/bin/python docs/findings/lmcache-cpu_repro.py \\
+    PYTHONPATH=$PWD .venvs/lmcache/bin/python docs/findings/lmcache-cpu_repro.py \\
         --port 5599 --mode lmcache_driven
 
 Steps: both connector roles connect; the worker registers the KV caches (one

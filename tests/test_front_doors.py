@@ -178,12 +178,38 @@ def test_the_cli_the_plugin_and_machine_test_agree_on_a_known_defect(tmp_path):
     assert test.last_verdict.status == "known" and test.last_verdict.defects == tuple(by_cli["defects"])
 
 
-def test_the_plugin_fails_a_fixed_defect_and_a_run_that_checked_nothing(tmp_path):
+def test_the_cli_the_plugin_and_machine_test_agree_on_a_fixed_defect(tmp_path):
+    """The known defect's fix (tests/quirky.py's Fixed: its pinned repro no longer reproduces) reads FIXED
+    through every door: the CLI and the plugin replayed the pinned repros; machine_test did not, and read the
+    check "passed".  All three now run the same core (suite.run.execute: the replays, then judge_run)."""
+    from quirky import Fixed  # type: ignore[import-not-found]
+
+    from conformance.testing import machine_test
+
     exp = _quirk_expectations(tmp_path)
+    code = cli(["run", "--impl", "quirky:Fixed", "--check", "mid-block-hits", "--examples", "3", "--steps", "4",
+                "--expectations", str(exp), "--report-dir", str(tmp_path / "cli")])
+    by_cli = json.loads((tmp_path / "cli" / "results.json").read_text())["verdict"]
+    assert code == 1 and by_cli["status"] == "fixed" and by_cli["fixed"] == ["k-plus-one-quirk"], by_cli
+
     proc = _plugin(tmp_path, "--hybrid-impl", "quirky:Fixed", "--hybrid-check", "mid-block-hits",
-                   "--hybrid-examples", "3", "--hybrid-steps", "4", "--hybrid-expectations", str(exp))
+                   "--hybrid-examples", "3", "--hybrid-steps", "4", "--hybrid-expectations", str(exp),
+                   "--hybrid-report-dir", str(tmp_path / "plugin"))
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 1 and "FIXED: k-plus-one-quirk" in out and "update the expectations file" in out, out
+    assert proc.returncode == code and "FIXED: k-plus-one-quirk" in out and "update the expectations file" in out, out
+    by_plugin = json.loads((tmp_path / "plugin" / "results.json").read_text())["verdict"]
+    assert by_plugin["status"] == "fixed" and by_plugin["pinned"] == by_cli["pinned"]
+
+    test = machine_test(Fixed, check="mid-block-hits", examples=3, steps=4, expectations=str(exp))
+    with pytest.raises(AssertionError, match="FIXED: k-plus-one-quirk: its pinned repro .* no longer reproduces"):
+        test()
+    run = test.last_run_verdict
+    assert run.status == by_cli["status"] and list(run.fixed) == by_cli["fixed"]
+    assert [p.outcome for p in run.pinned] == [p["outcome"] for p in by_cli["pinned"]] == ["fixed"]
+    assert test.last_verdict.status == by_cli["checks"][0]["status"] == "passed"
+
+
+def test_the_plugin_fails_a_run_that_checked_nothing(tmp_path):
     (tmp_path / "notier.py").write_text("from conformance.adapters.reference import ReferenceCache\n\n"
                                         "class NoTier(ReferenceCache):\n    tier_option = None\n")
     proc = _plugin(tmp_path, "--hybrid-impl", "notier:NoTier", "--hybrid-check", "tier-reuse")

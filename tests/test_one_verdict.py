@@ -290,6 +290,9 @@ def test_a_nondeterministic_implementation_is_reported_as_such(tmp_path, monkeyp
     assert "did not fail again" in c.failure.message and "FlakyFailure" not in c.failure.message
     assert c.failure.operations and c.failure.repro  # the first failure, as it happened, with its repro
     assert result.verdict is not None and result.verdict.status == "new"
+    # its repro replays by comparing runs (docs/repro-format.md): the first run in a process is wrong again
+    monkeypatch.setattr(WrongOnce, "done", False)
+    assert cli(["replay", c.failure.repro, "--impl", "once:WrongOnce", "--quiet"]) == 1
 
 
 # -- the rest of finding l ----------------------------------------------------------------------

@@ -170,4 +170,94 @@ def test_every_repro_file_of_the_house_loads_in_every_format_version(path):
     current[operations_key(REPRO_VERSION)] = current.pop(operations_key(doc["schema_version"]))
     assert parse(current).operations == old.operations
     v1 = {k: v for k, v in doc.items() if k not in ("title", "upstream", "harness")}
+    v1[operations_key(1)] = v1.pop(operations_key(doc["schema_version"]))  # a version-3 file names them otherwise
     assert parse(dict(v1, schema_version=1)).operations == old.operations
+
+
+# -- a nondeterministic repro (issue 34, item 4): replayed several times, the runs compared ---------------
+
+NONDETERMINISTIC = '''
+from dataclasses import replace
+
+from conformance.adapters.reference import ReferenceCache
+from conformance.contract import FRESH
+
+
+class AlwaysWrong(ReferenceCache):
+    """A request that resumes from its running state starts from nothing instead: wrong every time."""
+
+    once = False  # WrongOnce: wrong the first time in the process only
+    done = False
+
+    def schedule(self, budget):
+        plan = super().schedule(budget)
+        if type(self).done:
+            return plan
+        steps = []
+        for s in plan.requests:
+            if s.start > 0 and s.state_init != FRESH and not type(self).done:
+                type(self).done = type(self).once
+                s = replace(s, state_init=FRESH)
+            steps.append(s)
+        return replace(plan, requests=tuple(steps))
+
+
+class WrongOnce(AlwaysWrong):
+    once = True
+'''
+
+
+def _nondeterministic_repro(tmp_path: Path, first: str) -> Path:
+    """The repro a run writes for such a failure (tests/test_one_verdict.py finds one): its first failure,
+    as it happened, under the note nondeterministic() ends its message with."""
+    from conformance.suite.verdict import NOT_AGAIN
+
+    path = tmp_path / f"nondeterministic-{first.split(':')[0]}.json"
+    path.write_text(json.dumps({
+        "schema": "hybrid-cache-conformance/repro", "schema_version": 3, "impl": "replay_once:WrongOnce",
+        "implementation": "reference", "implementation_version": "1.0", "check": "mid-block-hits",
+        "impl_config": {"block_size": 4, "num_kv_blocks": 64, "num_state_slots": 24},
+        "failure": {"kind": "nondeterministic", "message": f"nondeterministic: {first}\n{NOT_AGAIN}"},
+        "operations": [{"op": "submit", "request_id": "r1", "prompt": [0, 0, 0, 0, 0], "max_new_tokens": 1},
+                       {"op": "drain", "budget": 1024}]}))
+    return path
+
+
+def test_a_nondeterministic_repro_replays_by_comparing_runs(tmp_path, capsys, monkeypatch):
+    """One replay of such a repro read FAILED OTHERWISE (exit 3: its first failure, not the kind recorded) or,
+    once the implementation had moved on, "not reproduced" (exit 0): neither said what it is."""
+    (tmp_path / "replay_once.py").write_text(NONDETERMINISTIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import replay_once  # type: ignore[import-not-found]
+
+    logits = ("logits: request r1 positions [4, 5): logits differ from the no-cache reference by 0.556 (relative) "
+              "from position 4")
+    path = str(_nondeterministic_repro(tmp_path, logits))
+    monkeypatch.setattr(replay_once.WrongOnce, "done", False)  # the first run in this process fails, no other
+    assert cli(["replay", path, "--impl", "replay_once:WrongOnce", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("REPRODUCED") and "it still does not repeat itself: run 1 failed (logits)" in out, out
+    assert "run 2 passed; 1 of 5 runs failed, 1 with its first failure (logits)" in out, out
+    # a cache wrong every time: the first failure recurs in every run, alike
+    assert cli(["replay", path, "--impl", "replay_once:AlwaysWrong", "--runs", "3", "--quiet"]) == 1
+    assert "its first failure (logits) recurred in every run, which ended alike" in capsys.readouterr().out
+    # the clean reference: every run passes, and planned alike
+    assert cli(["replay", path, "--impl", "reference"]) == 0
+    assert "not reproduced" in (out := capsys.readouterr().out) and "each passed, and planned alike" in out, out
+    # every run failing alike, but not as the file's first failure did
+    other = str(_nondeterministic_repro(tmp_path, "invariant: block 3 is freed twice"))
+    assert cli(["replay", other, "--impl", "replay_once:AlwaysWrong", "--quiet"]) == 3
+    assert "FAILED OTHERWISE" in (out := capsys.readouterr().out) and "first met as invariant" in out, out
+    assert cli(["replay", path, "--runs", "0"]) == 2
+
+
+def test_runs_that_pass_but_plan_otherwise_are_said():
+    from conformance.suite.replay import RepeatedReplay, ReplayOutcome
+
+    def ran(slot: int) -> ReplayOutcome:
+        return ReplayOutcome(False, "x", None, [], applied=2,
+                             events=[{"event": "plan", "requests": [{"request_id": "r1", "state_slot": slot}]}])
+
+    rep = RepeatedReplay([ran(0), ran(0), ran(1)], ("logits", "m"))
+    assert rep.outcomes_differ() == "" and rep.plans_differ() == "runs 1 and 3 planned otherwise from plan 1 on"
+    assert RepeatedReplay([ran(0), ran(0)], None).plans_differ() == ""

@@ -204,6 +204,69 @@ def replay(repro: Repro, cli_impl: str | None = None, cli_mutant: str | None = N
     return outcome
 
 
+@dataclass
+class RepeatedReplay:
+    """A ``nondeterministic`` repro replayed several times, each in a fresh
+    session: such a failure is, by its kind, one that one replay need not
+    repeat, so one replay that passes proves nothing and one that fails meets
+    the first failure, not the kind the file records.  What the runs show:
+    whether they still differ from one another (the implementation still
+    does not repeat itself) and whether the recorded first failure recurred."""
+
+    outcomes: list[ReplayOutcome]
+    recorded: tuple[str, str] | None  # the first failure the file records (kind, message); None: none recorded
+
+    def recurred(self, outcome: ReplayOutcome) -> bool:
+        """Whether ``outcome`` is the recorded first failure (kind and title), or any failure when none is recorded."""
+        if not outcome.reproduced:
+            return False
+        return self.recorded is None or _same(self.recorded[0], self.recorded[1], outcome)
+
+    def outcomes_differ(self) -> str:
+        """How the first run and the first run that ended otherwise differ (failed or not, how, where), or "":
+        the failure the kind records (one run fails, the same operations again do not) met again."""
+        from conformance.results.defects import title_of
+
+        def key(o: ReplayOutcome) -> tuple:
+            return o.reproduced, o.kind, title_of(o.kind, o.message), o.failed_at
+
+        first = self.outcomes[0]
+        other = next(((i, o) for i, o in enumerate(self.outcomes[1:], start=2) if key(o) != key(first)), None)
+        return f"run 1 {_said(first)}, run {other[0]} {_said(other[1])}" if other else ""
+
+    def plans_differ(self) -> str:
+        """Where two runs that ended alike planned otherwise, or "": the implementation does not repeat
+        itself on these operations even where no run failed (a failure may need more runs to meet)."""
+        first = _plans(self.outcomes[0])
+        for i, o in enumerate(self.outcomes[1:], start=2):
+            plans = _plans(o)
+            if plans != first:
+                at = next(n for n, (a, b) in enumerate(zip([*first, None], [*plans, None])) if a != b)
+                return f"runs 1 and {i} planned otherwise from plan {at + 1} on"
+        return ""
+
+
+def _said(o: ReplayOutcome) -> str:
+    if not o.reproduced:
+        return "passed"
+    return f"failed ({o.kind}) " + (f"at operation {o.failed_at + 1}" if o.failed_at is not None
+                                    else "building the implementation")
+
+
+def _plans(outcome: ReplayOutcome) -> list[dict]:
+    return [e for e in outcome.events if e.get("event") == "plan"]
+
+
+def replay_repeatedly(repro: Repro, runs: int, **kw) -> RepeatedReplay:
+    """Replay a ``nondeterministic`` repro ``runs`` times (``kw``: as :func:`replay`), each in a fresh
+    session of the same process (state an implementation keeps across instances stays, as it did in the run
+    that found it), keeping each run's whole history to compare their plans."""
+    from conformance.suite.verdict import first_failure
+
+    outcomes = [replay(repro, keep_events=True, **kw) for _ in range(runs)]
+    return RepeatedReplay(outcomes, first_failure(repro.failure.get("message") or ""))
+
+
 def same_failure(repro: Repro, outcome: ReplayOutcome) -> bool:
     """Whether a replay that failed failed as the file recorded: the same kind
     and, where the file records a message, its title (within the replay's) (the message with
@@ -211,11 +274,14 @@ def same_failure(repro: Repro, outcome: ReplayOutcome) -> bool:
     failure (an engine that timed out while being built, a new problem on the
     way) is not the recorded one reproducing.  A file that records no failure
     (a hand-written scenario without one) is reproduced by any failure."""
-    from conformance.results.defects import title_of
-
     if not outcome.reproduced:
         return False
-    kind, message = repro.failure.get("kind"), repro.failure.get("message")
+    return _same(repro.failure.get("kind"), repro.failure.get("message"), outcome)
+
+
+def _same(kind: str | None, message: str | None, outcome: ReplayOutcome) -> bool:
+    from conformance.results.defects import title_of
+
     if kind and kind != outcome.kind:
         return False
     # The recorded title within the replay's: a hand-written file may record the start of a message

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from conformance.results.records import CheckResult, CheckVerdict
+from conformance.results.records import CheckResult, RunResult
 from conformance.suite.execute import run_check
 from conformance.suite.options import RunOptions
 from conformance.suite.prepare import prepare_run
@@ -23,22 +23,14 @@ def run_single_check(factory, check_id: str, opts: RunOptions, resources: Resour
     return run_check(run, run.checks[0], resources or resources_for(run))
 
 
-def judge_single_check(factory, check_id: str, opts: RunOptions,
-                       resources: Resources | None = None) -> tuple[CheckResult, CheckVerdict]:
-    """Run ``check_id`` as :func:`run_single_check` does, and its verdict as
-    the run's verdict judges it (``conformance.results.verdict``): against the
-    implementation's expectations file (known defects, expected failures), so
-    that ``machine_test`` renders what the CLI and the plugin render."""
-    from conformance.results.verdict import judge_run
-    from conformance.suite.options import now
-    from conformance.suite.run import new_result
+def execute_single_check(factory, check_id: str, opts: RunOptions) -> RunResult:
+    """Run ``check_id`` as the one check of a run of ``factory``, through the
+    CLI's own core (:func:`conformance.suite.run.execute`), and return that
+    run's result with its verdict (``result.verdict``): each open defect's
+    pinned repro is replayed first and the verdict is ``judge_run``'s, so
+    ``machine_test`` reads FIXED, known and NEW where the CLI and the plugin
+    do (not a copy of them: the same calls).  Nothing is written."""
+    from conformance.suite.run import execute
 
-    run = prepare_run(replace(opts, impl=factory, checks=(check_id,), matrix=False, write_reports=False,
-                              report_dir=None, shard=None, workers=1))
-    res = run_check(run, run.checks[0], resources or resources_for(run))
-    result = new_result(run)
-    result.add_check(res)
-    result.finished = now()
-    verdict = judge_run(result).check(res.id)
-    assert verdict is not None
-    return res, verdict
+    return execute(prepare_run(replace(opts, impl=factory, checks=(check_id,), matrix=False, write_reports=False,
+                                       report_dir=None, shard=None, workers=1)))

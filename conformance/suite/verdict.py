@@ -61,6 +61,13 @@ def run_machine(test: Callable[[], None], recorder: Recorder) -> MachineOutcome:
     return MachineOutcome("passed", None, examples_of(stats))
 
 
+# The note a nondeterministic failure's message ends with, after its first failure: ``first_failure``
+# splits the message there (the first failure's own message may span lines).
+NOT_AGAIN = ("replaying the same operations did not fail again: the implementation does not repeat itself "
+             "(iteration over a set of objects hashed by address, a clock, a random draw, state kept across "
+             "instances...); the repro below is the first failure as it happened")
+
+
 def nondeterministic(flaky: Exception, recorder: Recorder, examples: int | None) -> Failure:
     """The failure of an implementation that does not repeat itself: the first
     failure Hypothesis met (its message, operations and events, as recorded
@@ -78,13 +85,23 @@ def nondeterministic(flaky: Exception, recorder: Recorder, examples: int | None)
         what = f"{getattr(first, 'kind', type(first).__name__)}: {first}"
     else:  # the draws themselves changed on replay: the implementation steered them otherwise
         what = f"the same draws led elsewhere when replayed ({type(flaky).__name__}: {str(flaky).splitlines()[0]})"
-    note = ("replaying the same operations did not fail again: the implementation does not repeat itself "
-            "(iteration over a set of objects hashed by address, a clock, a random draw, state kept across "
-            "instances...); the repro below is the first failure as it happened")
+    note = NOT_AGAIN
     done = recorder.first_failure or (None, None)
     return Failure(kind=FailureKind.NONDETERMINISTIC, message=f"nondeterministic: {what}\n{note}", operations=steps,
                    events=events[-12:], examples_to_failure=examples if examples is not None else done[0],
                    test_cases_to_failure=done[0], seconds_to_failure=done[1])
+
+
+def first_failure(message: str) -> tuple[str, str] | None:
+    """The first failure a ``nondeterministic`` failure's message records
+    (what :func:`nondeterministic` wrote): its kind and message, or None when
+    it records none (the draws themselves changed on replay).  ``replay``
+    reads it to tell whether a replay met that failure again."""
+    what = message.removeprefix(f"{FailureKind.NONDETERMINISTIC.value}: ").split(f"\n{NOT_AGAIN}")[0]
+    kind, _, rest = what.partition(": ")
+    if kind not in {k.value for k in FailureKind}:
+        return None
+    return kind, rest
 
 
 # The phases whose test cases Hypothesis counts towards max_examples (not shrinking, not explaining).

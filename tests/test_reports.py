@@ -214,7 +214,8 @@ def test_shipped_expectations_are_found_for_each_adapter():
     granite = load_expectations(cpu)["defects"]["mamba2-cpu-ssd-no-intermediate-states"]
     assert granite["kind"] == "raised" and granite["message"] == "IndexError"
     assert "engine-mid-block:granite-hybrid-tiny-sharp" not in checks
-    assert load_expectations(find_expectations("vllm", "0.33.0"))["checks"]["mid-block-hits"]["kind"] == "coverage"
+    # (vLLM 0.33.0's plain mid-block-hits passes since issue 34: its whole-block design is excused by observation)
+    assert load_expectations(find_expectations("vllm", "0.33.0"))["checks"]["mid-block-hits"]["status"] == "passed"
 
 
 def test_the_shipped_expectations_files_parse():

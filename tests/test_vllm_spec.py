@@ -63,7 +63,9 @@ def test_verification_steps_and_the_steps_after_them_give_reference_logits(model
     s.apply(Submit("a", PROMPT, 14))
     while not s.speculator.ready(s.tracks["a"]):
         s.apply(Step(1024))
-    for count, agree in ((2, 1), (2, 2), (2, 0), (0, 0), (2, 2), (1, 1), (2, 0), (2, 1)):
+    # (the step without drafts right after one that accepted: the drafter proposes to the request's
+    # end since issue 37, so no step goes without drafts by itself near the end any more)
+    for count, agree in ((2, 1), (0, 0), (2, 2), (2, 0), (2, 2), (1, 1), (2, 0), (2, 1)):
         s.apply(Draft("a", count, agree))
         s.apply(Step(1024))
     s.apply(Drain(1024))

@@ -67,6 +67,11 @@ _STORE_VARIANTS: tuple[dict[str, Any], ...] = (
 _EOS = 2
 
 
+# KDA's checkpointed spec is modelled through vLLM's compute_mamba_prefill_checkpoints
+# (layers/mamba/checkpoint.py, which 0.31.0 adds): an older release gets no KDA variant.
+_KDA = compat.since("0.31.0")
+
+
 class VllmCache:
     name = "vllm"
     version = compat.installed().version
@@ -140,12 +145,13 @@ class VllmCache:
         # MambaMixer2's (1) first it stops no chunk at a prompt checkpoint KDA cannot export (alignment 16),
         # with KDA's first it does; the hit-rate judge compares what each keeps with the declared policy.
         "hit-rate": (*({"interval": i, **u} for u in ({}, {"prefix_match_unit": 1}) for i in (0, 8, None)),
-                     {"interval": 8, "layer": "mamba2+kda"}, {"interval": 8, "layer": "kda+mamba2"}),
+                     *(({"interval": 8, "layer": "mamba2+kda"}, {"interval": 8, "layer": "kda+mamba2"}) if _KDA
+                       else ())),
         # KDA's spec as FlashKDA builds it (one checkpoint block, alignment 16, blocks of 8 for this model):
         # multi-turn prefills continuations chunk by chunk, so a checkpoint 8 tokens into a chunk (one
         # FlashKDA cannot export) meets one 16 tokens in (one it can).
         "multi-turn": ({}, {"prefix_match_unit": 1}, {"prefix_match_unit": 1, "connector": "divergent"},
-                       {"layer": "kda"}),
+                       *(({"layer": "kda"},) if _KDA else ())),
         "disagg": ({},),  # its own pairing of two schedulers (.disagg): once
         # speculative decoding (.speculative): EAGLE's lookahead block hashes (0.33's
         # default with prefix caching), its block drop (the path without them; before

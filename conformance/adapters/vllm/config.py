@@ -164,6 +164,9 @@ class VllmOptions:
         layer = o.get("layer", "mamba2")
         if layer not in LAYERS:
             raise ValueError(f"unknown layer {layer!r} (expected one of {LAYERS})")
+        if "kda" in layer and not compat.since("0.31.0"):
+            raise ValueError(f"layer {layer!r} needs vLLM 0.31.0 or later (KDA's prefill checkpoint goes through "
+                             f"layers/mamba/checkpoint.py), installed {compat.installed().version}")
         kinds = config.layer_kinds
         if kinds and layer in MIXED_LAYERS:
             raise ValueError(f"layer {layer!r} (two Mamba groups) is not modelled beside window layers")

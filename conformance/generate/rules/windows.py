@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
 from conformance.harness.ops import Abort, Drain, Step, Submit
+from conformance.judge.reuse import INDEXES
 
 
 class Windows(MachineBase):
@@ -44,10 +45,35 @@ class Windows(MachineBase):
         # the longest prompt the check draws, past every window by a block at least, ending inside a block
         blocks = max(-(-max(windows) // B) + 1, self.spec.max_prompt_blocks)
         prompt = self._window_tokens(rng, (blocks - 1) * B + offset)
+        past = max(windows)
+        for _ in range(2):
+            track = self._decode_beside_fillers(rng, prompt, blocks)
+            if track is None:
+                return
+            seq = track.tokens
+            if any(len(p) > past and seq[: len(p)] == p for p in INDEXES.get(self.session.last_view, B).states):
+                break
+            # no state of it past the windows listed: under second-hit admission the prompt needs a
+            # second sighting (the reference under admission second-hit: window_hits_past_freed 0 at
+            # seeds 0-4), and it runs again as it ran (the same tokens, the same decode)
         rid = self.new_id()
+        if not self._window_submit(seq + self._window_tokens(rng, more), 2, rid):
+            return
+        if abort:
+            self.apply(Step(1024))
+            self.apply(Abort(rid))
+        else:
+            self.apply(Drain(1024))
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _decode_beside_fillers(self, rng: random.Random, prompt: tuple[int, ...], blocks: int):
+        """``prompt`` decodes while distinct one-block prompts run beside it, one at a time, until
+        memory no longer holds a position of it in some window group; then it runs to its end.
+        Its track, or None where it does not fit."""
+        B, rid = self.B, self.new_id()
         # decoding as long as the check allows, leaving room to ask for the whole sequence again
         if not self._window_submit(prompt, max(1, min(self.max_len - len(prompt) - B - 2, 3 * B)), rid):
-            return
+            return None
         track = self.session.tracks[rid]
         for _ in range(4 * blocks):  # into decode: its first blocks left every window
             if track.done or (track.computed or 0) >= track.prompt_len:
@@ -64,17 +90,8 @@ class Windows(MachineBase):
                     break
                 self.apply(Step(1024))
         self.apply(Drain(1024))
-        seq = track.tokens
-        rid = self.new_id()
-        if not self._window_submit(seq + self._window_tokens(rng, more), 2, rid):
-            return
-        if abort:
-            self.apply(Step(1024))
-            self.apply(Abort(rid))
-        else:
-            self.apply(Drain(1024))
+        return track
 
-    # -- helpers ---------------------------------------------------------------------------
     def _window_tokens(self, rng: random.Random, n: int, avoid: int | None = None) -> tuple[int, ...]:
         vocab = self.model.config.vocab_size
         first = rng.randrange(vocab)

@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
 from conformance.harness.ops import Abort, Draft, Drain, Step, Submit
+from conformance.judge.reuse import INDEXES
 
 
 def _once(group: str):
@@ -90,6 +91,12 @@ class Reach(MachineBase):
             return
         self.apply(Submit(self.new_id(), c, 1))
         self.apply(Drain(1024))
+        if c not in INDEXES.get(self.session.last_view, B).states:
+            # C's state not listed: under second-hit admission its prompt end needs a second sighting,
+            # or the waiting request hits nothing, takes C's blocks and runs at once (the reference under
+            # admission second-hit, seeds 0 and 2: waits_while_busy 0)
+            self.apply(Submit(self.new_id(), c, 1))
+            self.apply(Drain(1024))
         room, running = N - len(c) // B, list[str]()  # every block but C's
         while room > 0 and len(running) < self.spec.max_active and 2 * (len(running) + 1) <= slots:
             b = min(room, self.max_len // B)

@@ -278,7 +278,9 @@ class ExpectedHit(Checker):
         track = obs.tracks[rs.request_id]
         if track.computed is not None or rs.start == 0:
             return
-        held = "conv ok" in executed.reads and "matrix ok" in executed.reads and executed.reads.endswith("): ok")
+        # (harness/runner.py _init_state: the state, the full attention KV, then the window groups' reads, if any)
+        reads, _, windows = executed.reads.partition("; windows: ")
+        held = "conv ok" in reads and "matrix ok" in reads and reads.endswith("): ok") and windows in ("", "ok")
         if not held:
             raise ConformanceFailure("invariant", f"request {rs.request_id} reused {rs.start} tokens, more than "
                                                   f"memory held for it: {executed.reads}")

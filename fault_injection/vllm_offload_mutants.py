@@ -155,9 +155,21 @@ def window_stale_blocks_kept(adapter):
                 for j, b in enumerate(old[: len(ids)]):
                     if ids[j] == 0 and b != 0:  # zeroed by the fix: the stale id back
                         ids[j] = b
+                        stale[(rid, b)] = stale.get((rid, b), 0) + 1
                         adapter.stats["mutant_fired"] = adapter.stats.get("mutant_fired", 0) + 1
 
+    stale: dict[tuple[str, int], int] = {}  # (request, block id) the fix would have zeroed, for the count below
+    build_stores = sched._build_store_jobs
+
+    def stores(scheduler_output):  # counts the store jobs that read such a block; changes nothing
+        jobs = build_stores(scheduler_output)
+        for job in jobs.values():
+            if any((job.req_id, int(b)) in stale for b in job.src_spec.block_ids):
+                adapter.stats["mutant_stale_stores"] = adapter.stats.get("mutant_stale_stores", 0) + 1
+        return jobs
+
     sched._update_req_states = update
+    sched._build_store_jobs = stores
     return adapter
 
 

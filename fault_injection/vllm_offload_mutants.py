@@ -18,12 +18,9 @@ offloading tier"):
   ``mamba_cache_mode="all"``): moot in 0.33.0, whose ``config/cache.py`` has
   ``MambaCacheMode = Literal["align", "none"]`` (line 176): no ``all`` mode
   to align, and ``none`` caches no prefix;
-- vllm#48911 (the reachability masks) and vllm#56709 (a window's extra
-  retained tokens): both act on ``SlidingWindowSpec`` groups only
-  (``_reachable_store_block_mask``: the full-attention mask is ``None`` and a
-  Mamba group's stores are the scheduler's hand-offs;
-  ``get_sliding_window_size_in_chunks``: ``extra_retained_tokens`` is a
-  ``SlidingWindowSpec`` field), which the adapter does not build yet.
+- vllm#42959, vllm#48911 and vllm#56709 (window groups: a stale block's
+  zeroing, the final segment's reachable tail, the extra retained tokens):
+  ``CANDIDATES`` below, with why the general suite does not catch them.
 """
 
 from __future__ import annotations

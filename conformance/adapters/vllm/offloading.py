@@ -95,7 +95,7 @@ def offloading_transfer_config(opts) -> KVTransferConfig:
     # model with window layers gets at least host_chunks chunks)
     chunk = -(-page * offloaded_groups(opts) // align) * align
     extra: dict[str, Any] = {"spec_name": SPEC_NAME, "spec_module_path": __name__,
-                             "cpu_bytes_to_use": host_chunks(opts.num_blocks) * chunk,
+                             "cpu_bytes_to_use": (opts.offload_chunks or host_chunks(opts.num_blocks)) * chunk,
                              "eviction_policy": opts.offload, "blocks_per_chunk": 1}
     return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                             kv_connector_extra_config=extra)

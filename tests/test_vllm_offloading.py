@@ -65,6 +65,10 @@ def test_offload_names_a_tier_in_the_connector_slot():
     assert o.offload == "arc" and o.connector is None
     with pytest.raises(ValueError, match="offload-lru"):
         VllmOptions.from_config(ImplConfig(block_size=B, options={"connector": "offload-fifo"}))
+    sized = VllmOptions.from_config(ImplConfig(block_size=B, options={"connector": "offload-lru", "offload_chunks": 8}))
+    assert sized.offload_chunks == 8
+    with pytest.raises(ValueError, match="offload_chunks"):
+        VllmOptions.from_config(ImplConfig(block_size=B, options={"connector": "async", "offload_chunks": 8}))
 
 
 @pytest.mark.parametrize("retention_interval", [0, None])

@@ -239,7 +239,14 @@ VLLM_OFFLOAD_MUTANTS: dict[str, Callable] = {
 # sees it only when a later request loads that very chunk, before the device
 # has it again: the contract has no view of the host tier to check the chunks
 # against memory, and the tier checks' histories did not load one at seed 0
-# (tier-reuse and tier-races, 25 examples each, interval 0).
+# (tier-reuse and tier-races, 25 examples each, interval 0).  The window fixes (measured
+# 2026-12-04 on tier-reuse and tier-races over the window model, seed 0; docs/vllm-adapter.md):
+# #42959's zeroing fires (2014 ids) but no store job read a zeroed id (0): a window chunk
+# outlives its block unstored only where the CPU tier refuses the store, which neither the
+# default tier nor offload_chunks=8 did; #48911's final-segment tail changed no mask (0 calls):
+# with one block per chunk a dense segment is one block, every block reachable; #56709's
+# extra retained tokens are 0 without multi-module MTP, which the adapter does not configure
+# (the mutant refuses to apply).
 CANDIDATES: dict[str, Callable] = {
     "vllm-offload-store-fence-dropped": store_fence_dropped,
     "vllm-offload-finished-store-fence-dropped": finished_store_fence_dropped,

@@ -165,3 +165,11 @@ def test_the_window_candidates_name_their_fix_and_extra_retained_needs_multi_mod
     impl = make(model, oracle).impl
     with pytest.raises(TypeError, match="multi-module MTP"):
         CANDIDATES["vllm-offload-window-extra-retained-dropped"](impl)
+
+
+def test_the_matrix_runs_vllms_tier_over_window_groups_and_kda():
+    from conformance.adapters.vllm.adapter import OFFLOAD_VARIANTS
+
+    window = {"connector": "offload-lru", "model": "window-hybrid", "num_kv_blocks": 48}
+    assert window in OFFLOAD_VARIANTS["tier-reuse"] and window in OFFLOAD_VARIANTS["tier-races"]
+    assert {"connector": "offload-lru", "layer": "kda"} in OFFLOAD_VARIANTS["tier-races"]

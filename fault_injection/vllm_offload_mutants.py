@@ -18,12 +18,9 @@ offloading tier"):
   ``mamba_cache_mode="all"``): moot in 0.33.0, whose ``config/cache.py`` has
   ``MambaCacheMode = Literal["align", "none"]`` (line 176): no ``all`` mode
   to align, and ``none`` caches no prefix;
-- vllm#48911 (the reachability masks) and vllm#56709 (a window's extra
-  retained tokens): both act on ``SlidingWindowSpec`` groups only
-  (``_reachable_store_block_mask``: the full-attention mask is ``None`` and a
-  Mamba group's stores are the scheduler's hand-offs;
-  ``get_sliding_window_size_in_chunks``: ``extra_retained_tokens`` is a
-  ``SlidingWindowSpec`` field), which the adapter does not build yet.
+- vllm#42959, vllm#48911 and vllm#56709 (window groups: a stale block's
+  zeroing, the final segment's reachable tail, the extra retained tokens):
+  ``CANDIDATES`` below, with why the general suite does not catch them.
 """
 
 from __future__ import annotations
@@ -128,6 +125,107 @@ def finished_store_fence_dropped(adapter):
     return adapter
 
 
+def window_stale_blocks_kept(adapter):
+    """TIER: vllm#42959 reverted.  A window group's block that the core
+    scheduler freed (``SlidingWindowManager.remove_skipped_blocks``: it left the
+    window) while its chunk was not stored yet, and that a later step allocated
+    again, is no longer zeroed in the request's pending-store positions
+    (``_update_req_states``, offloading/scheduler.py:1533-1552: a block id of
+    this step's allocations in ``[next_stored_chunk_idx, end)`` of a window
+    group becomes 0, and ``_build_store_jobs`` skips 0, :1947-1948 and
+    :2036-2037), so the deferred store reads the block's new owner's KV and the
+    CPU tier keeps it under the old chunk's key."""
+    sched = _connector_scheduler(adapter)
+    original = sched._update_req_states
+
+    def update(scheduler_output):
+        resumed = set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+        before = {rid: {g: list(rs.group_states[g].block_ids) for g in sched._sliding_window_groups}
+                  for rid, rs in sched._req_status.items() if rid not in resumed}
+        original(scheduler_output)
+        for rid, groups in before.items():
+            rs = sched._req_status.get(rid)
+            if rs is None:
+                continue
+            for g, old in groups.items():
+                ids = rs.group_states[g].block_ids
+                for j, b in enumerate(old[: len(ids)]):
+                    if ids[j] == 0 and b != 0:  # zeroed by the fix: the stale id back
+                        ids[j] = b
+                        stale[(rid, b)] = stale.get((rid, b), 0) + 1
+                        adapter.stats["mutant_fired"] = adapter.stats.get("mutant_fired", 0) + 1
+
+    stale: dict[tuple[str, int], int] = {}  # (request, block id) the fix would have zeroed, for the count below
+    build_stores = sched._build_store_jobs
+
+    def stores(scheduler_output):  # counts the store jobs that read such a block; changes nothing
+        jobs = build_stores(scheduler_output)
+        for job in jobs.values():
+            if any((job.req_id, int(b)) in stale for b in job.src_spec.block_ids):
+                adapter.stats["mutant_stale_stores"] = adapter.stats.get("mutant_stale_stores", 0) + 1
+        return jobs
+
+    sched._update_req_states = update
+    sched._build_store_jobs = stores
+    return adapter
+
+
+def window_final_tail_dropped(adapter):
+    """TIER: vllm#48911 reverted.  The store mask of a window group no longer
+    keeps the reachable tail of a request's final, partial alignment segment:
+    ``_build_store_jobs`` passes ``final_segment_end_chunk_idx`` (the stored
+    horizon, offloading/scheduler.py:1926-1940) to ``_reachable_store_block_mask``
+    (:1762-1796), and ``SlidingWindowManager.reachable_block_mask`` keeps the
+    window's blocks before that end (v1/core/single_type_kv_cache_manager.py:
+    1124-1133) besides the tail of every full segment; reverted, the mask sees
+    full segments only, so a prompt ending inside a segment stores no window
+    for its end and a later request gets no host hit there."""
+    sched = _connector_scheduler(adapter)
+    original = sched._reachable_store_block_mask
+
+    def mask(group_config, start_chunk_idx, end_chunk_idx, final_segment_end_chunk_idx, reachable_boundaries):
+        out = original(group_config=group_config, start_chunk_idx=start_chunk_idx, end_chunk_idx=end_chunk_idx,
+                       final_segment_end_chunk_idx=None, reachable_boundaries=reachable_boundaries)
+        fixed = original(group_config=group_config, start_chunk_idx=start_chunk_idx, end_chunk_idx=end_chunk_idx,
+                         final_segment_end_chunk_idx=final_segment_end_chunk_idx,
+                         reachable_boundaries=reachable_boundaries)
+        if out != fixed:
+            adapter.stats["mutant_fired"] = adapter.stats.get("mutant_fired", 0) + 1
+        return out
+
+    sched._reachable_store_block_mask = mask
+    return adapter
+
+
+def window_extra_retained_dropped(adapter):
+    """TIER: vllm#56709 reverted.  A window group's offload coverage no longer
+    includes the ``extra_retained_tokens`` that the block manager keeps below
+    the window for multi-module MTP (``SlidingWindowSpec.extra_retained_tokens``,
+    set by ``get_kv_cache_configs``, v1/core/kv_cache_planning.py:1634-1641):
+    the lookup window is the bare window's chunks (``get_sliding_window_size_in_chunks``,
+    offloading/config.py:61-73, and ``load_window_size_in_chunks``,
+    offloading/scheduler.py:117-134) and the store mask is not widened (:1773-1784),
+    so a hit is admitted whose retained history the lookup never checked and
+    the producer may never have stored."""
+    from dataclasses import replace
+
+    sched = _connector_scheduler(adapter)
+    config = sched.config
+    groups = []
+    for g in config.kv_group_configs:
+        spec = g.kv_cache_spec
+        if getattr(spec, "extra_retained_tokens", 0):
+            spec = replace(spec, extra_retained_tokens=0)
+            g = g._replace(kv_cache_spec=spec,
+                           sliding_window_size_in_chunks=-(-spec.sliding_window // g.tokens_per_chunk))
+        groups.append(g)
+    if tuple(groups) == config.kv_group_configs:
+        raise TypeError("vllm-offload-window-extra-retained-dropped needs a window group with extra retained tokens "
+                        "(multi-module MTP)")
+    sched.config = config._replace(kv_group_configs=tuple(groups))
+    return adapter
+
+
 VLLM_OFFLOAD_MUTANTS: dict[str, Callable] = {
     "vllm-offload-mamba-clamp-reverted": mamba_clamp_reverted,
     "vllm-offload-eagle-pop-every-group": eagle_pop_every_group,
@@ -141,10 +239,20 @@ VLLM_OFFLOAD_MUTANTS: dict[str, Callable] = {
 # sees it only when a later request loads that very chunk, before the device
 # has it again: the contract has no view of the host tier to check the chunks
 # against memory, and the tier checks' histories did not load one at seed 0
-# (tier-reuse and tier-races, 25 examples each, interval 0).
+# (tier-reuse and tier-races, 25 examples each, interval 0).  The window fixes (measured
+# 2026-12-04 on tier-reuse and tier-races over the window model, seed 0; docs/vllm-adapter.md):
+# #42959's zeroing fires (2014 ids) but no store job read a zeroed id (0): a window chunk
+# outlives its block unstored only where the CPU tier refuses the store, which neither the
+# default tier nor offload_chunks=8 did; #48911's final-segment tail changed no mask (0 calls):
+# with one block per chunk a dense segment is one block, every block reachable; #56709's
+# extra retained tokens are 0 without multi-module MTP, which the adapter does not configure
+# (the mutant refuses to apply).
 CANDIDATES: dict[str, Callable] = {
     "vllm-offload-store-fence-dropped": store_fence_dropped,
     "vllm-offload-finished-store-fence-dropped": finished_store_fence_dropped,
+    "vllm-offload-window-stale-blocks-kept": window_stale_blocks_kept,
+    "vllm-offload-window-final-tail-dropped": window_final_tail_dropped,
+    "vllm-offload-window-extra-retained-dropped": window_extra_retained_dropped,
 }
 
 # The offloading tier is the code path of every one of them, and the tier family's checks

@@ -65,6 +65,10 @@ def test_offload_names_a_tier_in_the_connector_slot():
     assert o.offload == "arc" and o.connector is None
     with pytest.raises(ValueError, match="offload-lru"):
         VllmOptions.from_config(ImplConfig(block_size=B, options={"connector": "offload-fifo"}))
+    sized = VllmOptions.from_config(ImplConfig(block_size=B, options={"connector": "offload-lru", "offload_chunks": 8}))
+    assert sized.offload_chunks == 8
+    with pytest.raises(ValueError, match="offload_chunks"):
+        VllmOptions.from_config(ImplConfig(block_size=B, options={"connector": "async", "offload_chunks": 8}))
 
 
 @pytest.mark.parametrize("retention_interval", [0, None])
@@ -117,3 +121,55 @@ def test_offload_mutants_are_registered_for_the_tier_family():
         m = registered[name]
         assert m.target == "vllm" and m.family == "tier" and dict(m.options)["connector"] == "offload-lru"
         assert m.description and dict(m.options) == OPTIONS[name]
+
+
+def test_window_groups_go_through_vllms_tier():
+    """The window family's model (two SlidingWindowSpec groups beside Mamba and full attention): vLLM's
+    offloading scheduler stores the window groups' chunks, and brings them back with the rest; each copy
+    lands in its window group's memory (Transfer.window_group), and every logit and window read is right."""
+    from conformance.harness.oracle import Oracle
+    from conformance.model import ModelConfig, TinyHybrid
+
+    config = ModelConfig.fixture("window-hybrid")
+    model = TinyHybrid(config)
+    impl = VllmCache(ImplConfig(block_size=B, num_kv_blocks=48, num_state_slots=48,
+                                options={"connector": "offload-lru"}, **config.window_facts()))
+    s = session_of(impl, model, Oracle(model))
+    seen = []
+    take = impl.connector.worker.take
+
+    def taken():
+        out = take()
+        seen.extend(out)
+        return out
+
+    impl.connector.worker.take = taken
+    ops = [Submit("a", PROMPT, 1), Drain(64)]
+    for j in range(5):
+        ops += [Submit(f"j{j}", junk(j, 20), 1), Drain(64)]
+    for op in ops + [Submit("b", PROMPT + (5, 6), 2), Drain(64)]:
+        s.apply(op)
+    for direction in ("offload", "load"):
+        assert {t.window_group for t in seen if t.direction == direction and t.kind == "kv"} == {None, 0, 1}
+    assert s.coverage["tier_loads"] > 0 and s.coverage["tier_hits"] > 0
+
+
+def test_the_window_candidates_name_their_fix_and_extra_retained_needs_multi_module_mtp(model, oracle):
+    from fault_injection.vllm_offload_mutants import CANDIDATES
+
+    for name, fix in (("vllm-offload-window-stale-blocks-kept", "42959"),
+                      ("vllm-offload-window-final-tail-dropped", "48911"),
+                      ("vllm-offload-window-extra-retained-dropped", "56709")):
+        assert CANDIDATES[name].__doc__.startswith(f"TIER: vllm#{fix} reverted.")
+    # extra_retained_tokens is max(0, num_prefill_lookahead_tokens - 1): 0 without multi-module MTP
+    impl = make(model, oracle).impl
+    with pytest.raises(TypeError, match="multi-module MTP"):
+        CANDIDATES["vllm-offload-window-extra-retained-dropped"](impl)
+
+
+def test_the_matrix_runs_vllms_tier_over_window_groups_and_kda():
+    from conformance.adapters.vllm.adapter import OFFLOAD_VARIANTS
+
+    window = {"connector": "offload-lru", "model": "window-hybrid", "num_kv_blocks": 48}
+    assert window in OFFLOAD_VARIANTS["tier-reuse"] and window in OFFLOAD_VARIANTS["tier-races"]
+    assert {"connector": "offload-lru", "layer": "kda"} in OFFLOAD_VARIANTS["tier-races"]

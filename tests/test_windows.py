@@ -236,3 +236,27 @@ def test_a_cache_that_keeps_every_window_block_is_not_asked_for_what_only_freein
     assert check.status == "passed", check.failure
     assert check.coverage["window_blocks_let_go"] == 0 and check.coverage["window_hits_past_freed"] == 0
     assert any("let no window block go" in n for n in check.notes)
+
+
+def test_a_reuse_needs_every_window_groups_kv_and_a_window_block_is_no_full_attention_kv():
+    """judge/reuse.py and judge/expected_hit.py: a prefix p is reusable only where each window group
+    holds [p - W + 1, p) of the prompt, on the device or in the host store; a window group's block never
+    stands for the full attention layers' KV."""
+    from types import SimpleNamespace
+
+    from conformance.contract import CachedState
+    from conformance.judge.expected_hit import longest_held
+    from conformance.judge.reuse import ViewIndex
+
+    B, prompt = 4, tuple(range(1, 14))
+    full = tuple(CachedKV(k, prompt[: (k + 1) * B]) for k in range(3))
+    win = tuple(CachedKV(10 + k, prompt[: (k + 1) * B], window_group=0) for k in (1, 2))
+    state = (CachedState(0, prompt[:12]),)
+    held = ViewIndex(CacheView(cached_kv=full + win, cached_states=state), B, windows=(6,))
+    assert held.best_reuse(prompt) == 12  # [7, 12) in blocks 1 and 2 of the window group
+    short = ViewIndex(CacheView(cached_kv=full + win[1:], cached_states=state), B, windows=(6,))
+    assert short.best_reuse(prompt) == 0  # block 1 (positions 4-7) of the window is gone
+    store = SimpleNamespace(kv=set(), states=set(), win={0: {prompt[:8]}})
+    assert longest_held(prompt, short, store, B, B) == 12  # the host store holds it
+    only_window = ViewIndex(CacheView(cached_kv=win, cached_states=state), B, windows=(6,))
+    assert only_window.kv_servable(prompt) == 0

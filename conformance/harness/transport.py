@@ -61,6 +61,9 @@ class HostEntry:
     # corrupted or cut short in flight).  The harness's own knowledge: no load
     # of such an entry can verify, so no correct cache can reuse it.
     intact: bool = True
+    # The window group whose layers' KV the entry holds (None: the full attention layers', or a state):
+    # the offload's ``Transfer.window_group``
+    window_group: int | None = None
 
 
 class HostStore:
@@ -192,7 +195,7 @@ class Transport:
         try:
             if t.direction == "offload":
                 payload = self.read(t.kind, t.device, t.window_group)
-                entry = HostEntry(payload, checksum(payload.tensors))
+                entry = HostEntry(payload, checksum(payload.tensors), window_group=t.window_group)
                 entry.payload = self._fly(t, payload.clone())
                 entry.intact = checksum(entry.payload.tensors) == entry.checksum
                 if any(hook.refuse_offload(self, t) for hook in self.hooks) or not self.store.put(t.key, entry):

@@ -92,7 +92,8 @@ class StoreIndex:
     """The host store's whole entries, by the prefix their provenance names."""
 
     def __init__(self, store, block_size: int, distrusted: Mapping[str, object] | None = None):
-        self.kv: set[Prefix] = set()  # prefixes whose last full block an entry holds
+        self.kv: set[Prefix] = set()  # prefixes whose last full block an entry holds (full attention layers)
+        self.win: dict[int, set[Prefix]] = {}  # the same for each window group's layers
         self.states: set[Prefix] = set()
         for key, entry in store.entries.items():
             if not getattr(entry, "intact", True):  # its bytes broke on the way in: no load of it verifies
@@ -105,7 +106,8 @@ class StoreIndex:
                 if len(cells) == block_size and all(c is not None for c in cells):
                     last = cells[-1]
                     if all(c == last[: len(last) - block_size + 1 + i] for i, c in enumerate(cells)):
-                        self.kv.add(last)
+                        group = getattr(entry, "window_group", None)
+                        (self.kv if group is None else self.win.setdefault(group, set())).add(last)
             elif prov.get("conv") is not None and prov.get("conv") == prov.get("ssm"):
                 self.states.add(prov["ssm"])
 
@@ -113,8 +115,10 @@ class StoreIndex:
 def longest_held(prompt: Prefix, here, there: StoreIndex, B: int, unit: int) -> int:
     """The longest multiple p of ``unit`` below the prompt's length such that
     every block of ``prompt[:p]`` is whole on the device (``here``, an index of
-    a view) or in the host store (``there``), and the state after
-    ``prompt[:p]`` is in either: what the two tiers together hold for it."""
+    a view) or in the host store (``there``), the state after ``prompt[:p]``
+    is in either, and so is every window group's KV that a step resuming at p
+    reads (``here.windows``: [p - W + 1, p) for a window W): what the two tiers
+    together hold for it."""
     best, k = 0, 0
     while (k + 1) * B < len(prompt):
         full = prompt[: (k + 1) * B]
@@ -122,7 +126,8 @@ def longest_held(prompt: Prefix, here, there: StoreIndex, B: int, unit: int) -> 
             break
         k += 1
         p = k * B
-        if p % unit == 0 and (prompt[:p] in there.states or prompt[:p] in here.states):
+        if p % unit == 0 and (prompt[:p] in there.states or prompt[:p] in here.states) \
+                and here.windows_held(prompt, p, there):
             best = p
     return best
 
@@ -159,7 +164,7 @@ class ExpectedHit(Checker):
             return 0
         before = obs.last_view
         # what the device held across the schedule: the same entries in the views before and after it
-        here = HeldAcross(before, view, B)
+        here = HeldAcross(before, view, B, obs.memory.windows)
         there = StoreIndex(store, B, self.distrusted)
         best = longest_held(prompt, here, there, B, unit)
         if best and self.hit_drop:  # what the drafter's drop leaves of it: a held prefix that much shorter
@@ -273,7 +278,9 @@ class ExpectedHit(Checker):
         track = obs.tracks[rs.request_id]
         if track.computed is not None or rs.start == 0:
             return
-        held = "conv ok" in executed.reads and "matrix ok" in executed.reads and executed.reads.endswith("): ok")
+        # (harness/runner.py _init_state: the state, the full attention KV, then the window groups' reads, if any)
+        reads, _, windows = executed.reads.partition("; windows: ")
+        held = "conv ok" in reads and "matrix ok" in reads and reads.endswith("): ok") and windows in ("", "ok")
         if not held:
             raise ConformanceFailure("invariant", f"request {rs.request_id} reused {rs.start} tokens, more than "
                                                   f"memory held for it: {executed.reads}")

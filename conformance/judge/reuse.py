@@ -17,10 +17,13 @@ class ViewIndex:
     """A view's cached content, indexed for prefix questions (built on first
     use: most views are never asked)."""
 
-    def __init__(self, view: CacheView | None, block_size: int):
+    def __init__(self, view: CacheView | None, block_size: int, windows: tuple[int, ...] = ()):
         self.view = view
         self.block_size = block_size
+        # The model's window groups (Memory.windows: the window of each); empty: not asked of window groups
+        self.windows = windows
         self._kv: dict[int, set[Prefix]] | None = None  # block index -> prefixes through its last valid position
+        self._win: dict[tuple[int, int], set[Prefix]] | None = None  # (window group, block index) -> the same
         self._states: set[Prefix] | None = None
 
     @classmethod
@@ -29,12 +32,39 @@ class ViewIndex:
 
     @property
     def kv_by_block(self) -> dict[int, set[Prefix]]:
+        """The full attention layers' blocks (a window group's block serves no full attention layer)."""
         if self._kv is None:
-            self._kv = {}
+            self._kv, self._win = {}, {}
             for e in self.view.cached_kv if self.view is not None else ():
                 if e.tokens:
-                    self._kv.setdefault((len(e.tokens) - 1) // self.block_size, set()).add(e.tokens)
+                    k = (len(e.tokens) - 1) // self.block_size
+                    if e.window_group is None:
+                        self._kv.setdefault(k, set()).add(e.tokens)
+                    else:
+                        self._win.setdefault((e.window_group, k), set()).add(e.tokens)
         return self._kv
+
+    @property
+    def win_by_block(self) -> dict[tuple[int, int], set[Prefix]]:
+        self.kv_by_block  # noqa: B018  (builds both)
+        assert self._win is not None
+        return self._win
+
+    def windows_held(self, prompt: Prefix, p: int, there=None) -> bool:
+        """Whether every window group holds the KV a step resuming at ``p`` reads: the positions
+        [p - W + 1, p) of ``prompt``, here or in ``there`` (a host store's index, ``StoreIndex``).
+        True for a model without window layers."""
+        B = self.block_size
+        for g, w in enumerate(self.windows):
+            for k in range(max(0, p - w + 1) // B, (p + B - 1) // B):
+                here = self.win_by_block.get((g, k), set())
+                remote = there.win.get(g, set()) if there is not None else set()
+                if (k + 1) * B <= p:
+                    if prompt[: (k + 1) * B] not in here and prompt[: (k + 1) * B] not in remote:
+                        return False
+                elif not any(len(e) >= p and e[:p] == prompt[:p] for e in (*here, *remote)):
+                    return False
+        return True
 
     @property
     def states(self) -> set[Prefix]:
@@ -70,7 +100,8 @@ class ViewIndex:
         (in ``also`` too, when given)."""
         top = self.kv_servable(prompt) if kv_len is None else kv_len
         for p in range(top, 0, -1):
-            if prompt[:p] in self.states and (also is None or prompt[:p] in also.states):
+            if prompt[:p] in self.states and (also is None or prompt[:p] in also.states) \
+                    and self.windows_held(prompt, p):
                 return p
         return 0
 
@@ -84,17 +115,22 @@ class HeldAcross(ViewIndex):
     blocks or the slot of the very request being matched (a cache that
     registers what a plan is about to compute, as vLLM does at allocation)."""
 
-    def __init__(self, before: CacheView | None, after: CacheView | None, block_size: int):
-        super().__init__(None, block_size)
+    def __init__(self, before: CacheView | None, after: CacheView | None, block_size: int,
+                 windows: tuple[int, ...] = ()):
+        super().__init__(None, block_size, windows)
         if before is None or after is None:
-            self._kv, self._states = {}, set()
+            self._kv, self._win, self._states = {}, {}, set()
             return
-        kept_kv = {(e.block, e.tokens) for e in before.cached_kv}
+        kept_kv = {(e.block, e.window_group, e.tokens) for e in before.cached_kv}
         kept_states = {(e.slot, e.tokens) for e in before.cached_states}
-        self._kv = {}
+        self._kv, self._win = {}, {}
         for e in after.cached_kv:
-            if e.tokens and (e.block, e.tokens) in kept_kv:
-                self._kv.setdefault((len(e.tokens) - 1) // block_size, set()).add(e.tokens)
+            if e.tokens and (e.block, e.window_group, e.tokens) in kept_kv:
+                k = (len(e.tokens) - 1) // block_size
+                if e.window_group is None:
+                    self._kv.setdefault(k, set()).add(e.tokens)
+                else:
+                    self._win.setdefault((e.window_group, k), set()).add(e.tokens)
         self._states = {e.tokens for e in after.cached_states if (e.slot, e.tokens) in kept_states}
 
 
@@ -176,7 +212,7 @@ class LookupWindow:
 
     def _look(self, obs, view_before, view_after, rids) -> None:
         B, tracks = obs.layout.block_size, obs.tracks
-        held = HeldAcross(view_before, view_after, B)
+        held = HeldAcross(view_before, view_after, B, obs.memory.windows)
         for rid in rids:
             prompt = tracks[rid].tokens[: tracks[rid].prompt_len]
             kv = held.kv_servable(prompt)

@@ -45,8 +45,17 @@ from conformance.contract import ImplConfig, Layout, Request, Speculation, StepP
 # (tier-reuse's tier_hits_over_local) and a remote-only expectation under a drafter's
 # drop (tier-races' remote_expected) are reached at some seeds only (seed 1: 0):
 # tier-reuse runs the default policy dense, tier-races runs it at interval 0, and
-# the drafters run dense (as the spec family does).  KDA and window groups join when
-# the adapter builds them (an entry here with their ``layer``).
+# the drafters run dense (as the spec family does).  KDA (FlashKDA's checkpoint alignment
+# 16, one Mamba group) carries tier-races' interval-0 variant (MambaMixer2 keeps the dense
+# ones).  Window groups (SlidingWindowSpec, as vLLM's get_kv_cache_groups makes them of the
+# window family's models) on the window family's own model pattern: the offloading
+# scheduler looks them up as windows of chunks, stores a window's chunks under its
+# reachability mask (_reachable_store_block_mask) and fences their stores, because the
+# core scheduler frees a block once it leaves the window.  At interval 0 (vLLM's default)
+# the mask keeps only the window before each prompt's replay boundary.  The pool is the
+# harness's variant key: four groups' tables (attention, Mamba, two windows) in the tier
+# checks' 28 blocks leave a max_model_len of 28 tokens, below their longest sequence (32).
+_OFFLOAD_WINDOWS = {"connector": "offload-lru", "model": "window-hybrid", "num_kv_blocks": 48}
 _OFFLOAD_SUB_BLOCK = {"connector": "offload-arc", "layer": "gdn", "prefix_match_unit": 1, "retention_interval": 8}
 # (GDN there: MambaMixer2's spec meets the known subblock-registration under sub-block
 # matching in the first examples, and the check stops exploring there: seed 0, one example)
@@ -56,8 +65,11 @@ _OFFLOAD_DRAFTERS = ({"connector": "offload-lru", "spec_tokens": 2, "spec_lookah
 # (The two drafters draw the same counters in a tier check, which proposes no drafts: 0.33 takes both
 # through use_eagle_block_drop; measured at seeds 0-4.  tier-reuse runs one, tier-races both.)
 OFFLOAD_VARIANTS: dict[str, tuple[dict[str, Any], ...]] = {
-    "tier-reuse": ({"connector": "offload-lru", "retention_interval": None}, _OFFLOAD_SUB_BLOCK, _OFFLOAD_DRAFTERS[0]),
-    "tier-races": ({"connector": "offload-lru"}, _OFFLOAD_SUB_BLOCK, *_OFFLOAD_DRAFTERS),
+    "tier-reuse": ({"connector": "offload-lru", "retention_interval": None}, _OFFLOAD_SUB_BLOCK, _OFFLOAD_DRAFTERS[0],
+                   _OFFLOAD_WINDOWS),
+    "tier-races": ({"connector": "offload-lru", **({"layer": "kda"} if compat.since("0.31.0") else {})},
+                   _OFFLOAD_SUB_BLOCK, *_OFFLOAD_DRAFTERS,
+                   _OFFLOAD_WINDOWS),
 }
 _STORE_VARIANTS: tuple[dict[str, Any], ...] = (
     {"connector": "async"}, {"connector": "divergent"},

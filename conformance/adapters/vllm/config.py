@@ -112,7 +112,8 @@ class VllmOptions:
       strings ``"async"``, ``"divergent"``, ``"sync"``, ``"divergent-sync"`` name the same.
       ``"offload-lru"`` / ``"offload-arc"``: vLLM's own ``OffloadingConnector`` instead,
       with its ``CPUOffloadingManager`` under that policy, the harness as its worker
-      (:mod:`.offloading`; ``offload`` then names the policy).
+      (:mod:`.offloading`; ``offload`` then names the policy); ``offload_chunks``: its CPU tier's size
+      in chunks (default :func:`.offloading.host_chunks`, sixteen times the pool).
     - ``layer``: whose ``get_kv_cache_spec`` the Mamba group follows: ``"mamba2"``
       (``MambaMixer2``: one prefill checkpoint block, alignment 1), ``"gdn"``
       (Gated DeltaNet as it runs on a CPU or with Triton: none), ``"kda"``
@@ -151,13 +152,14 @@ class VllmOptions:
         return "R" in self.layer_kinds if self.layer_kinds else True
 
     offload: str | None = None  # the policy, with connector="offload-lru" / "offload-arc" (.offloading)
+    offload_chunks: int | None = None  # the CPU tier's size in chunks (None: .offloading.host_chunks)
 
     @classmethod
     def from_config(cls, config: ImplConfig) -> VllmOptions:
         o = dict(config.options)
         known = {"prefix_match_unit", "retention_interval", "interval", "admission", "max_num_seqs",
                  "max_model_len", "shared_prefix_checkpoint", "connector", "layer", "spec_tokens", "spec_method",
-                 "spec_lookahead_hashes"}
+                 "spec_lookahead_hashes", "offload_chunks"}
         unknown = set(o) - known
         if unknown:
             raise ValueError(f"unknown vLLM adapter options: {sorted(unknown)} (known: {sorted(known)})")
@@ -197,7 +199,13 @@ class VllmOptions:
         connector = connector_option(o.get("connector"))
         named = o.get("connector")
         offload = OFFLOAD_FORMS.get(named) if isinstance(named, str) else None
+        chunks = o.get("offload_chunks")
+        if chunks is not None and (not offload or isinstance(chunks, bool) or not isinstance(chunks, int)
+                                   or chunks < 1):
+            raise ValueError(f"offload_chunks {chunks!r}: a positive number of chunks, with connector=offload-lru "
+                             f"or offload-arc")
         return cls(block_size=bs, num_blocks=config.num_kv_blocks, prefix_match_unit=pmu, offload=offload,
+                   offload_chunks=chunks,
                    spec_tokens=spec[0], spec_method=spec[1], spec_lookahead_hashes=spec[2],
                    retention_interval=interval, admission=admission,
                    max_num_seqs=int(o.get("max_num_seqs", 16)), max_model_len=_length(o.get("max_model_len")),

@@ -52,16 +52,23 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
 
-from conformance.adapters.vllm.config import attention_page_per_token
+from conformance.adapters.vllm.config import Groups, attention_page_per_token
 from conformance.contract import Transfer, TransferDone
 
 SPEC_NAME = "HarnessOffloadingSpec"
 GROUP_KINDS = ("kv", "state")  # the adapter's groups (.config: ATTN_GROUP, MAMBA_GROUP), as harness memory holds them
+
+
+def offloaded_groups(opts) -> int:
+    """At least as many KV cache groups as vLLM makes of the model (each holds one layer or more): two
+    without window layers (attention, Mamba), three with two Mamba layouts (``layer="mamba2+kda"``), at
+    most one per layer with them (``opts.layer_kinds``: Gemma 3's five window layers are five groups)."""
+    return max(len(GROUP_KINDS) + ("+" in opts.layer), len(opts.layer_kinds))
+
 def host_chunks(num_blocks: int) -> int:
     """The CPU tier's capacity in chunks (one chunk = one block of one group here).
 
@@ -83,10 +90,12 @@ def offloading_transfer_config(opts) -> KVTransferConfig:
     offloaded group, rounded up to its alignment) gives :func:`host_chunks`
     chunks; one block per chunk, so the offload unit is the block."""
     align = CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
-    page = opts.block_size * attention_page_per_token()  # both groups' pages (the Mamba page is padded to it)
-    chunk = -(-page * len(GROUP_KINDS) // align) * align
+    page = opts.block_size * attention_page_per_token()
+    # every group's page (the Mamba page is padded to it; a group of several layers holds more, so a
+    # model with window layers gets at least host_chunks chunks)
+    chunk = -(-page * offloaded_groups(opts) // align) * align
     extra: dict[str, Any] = {"spec_name": SPEC_NAME, "spec_module_path": __name__,
-                             "cpu_bytes_to_use": host_chunks(opts.num_blocks) * chunk,
+                             "cpu_bytes_to_use": (opts.offload_chunks or host_chunks(opts.num_blocks)) * chunk,
                              "eviction_policy": opts.offload, "blocks_per_chunk": 1}
     return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                             kv_connector_extra_config=extra)
@@ -112,7 +121,10 @@ class HarnessOffloadingWorker(OffloadingWorker):
 
     def __init__(self, spec: CPUOffloadingSpec):
         self.spec = spec
-        self.kinds: tuple[Literal["kv", "state"], ...] = ()  # per offloaded group, in GPULoadStoreSpec order
+        # per offloaded group, in GPULoadStoreSpec order: the harness memory it lands in (the kind, and the
+        # window group for a SlidingWindowSpec group's KV), or None for a group the harness does not model
+        # (the second Mamba layout's, .config.Groups.shadow: scheduled and copied, its memory not held)
+        self.kinds: tuple[tuple[Literal["kv", "state"], int | None] | None, ...] = ()
         self.request_of: dict[int, str] = {}  # load job -> request (from the metadata, for the transfers' names)
         self.jobs: dict[int, _Job] = {}
         self.by_transfer: dict[int, int] = {}  # transfer id -> job id
@@ -123,8 +135,19 @@ class HarnessOffloadingWorker(OffloadingWorker):
         self._next_id = 0
 
     def bind_groups(self, kv_cache_config) -> None:
-        groups = [kv_cache_config.kv_cache_groups[g.group_id].kv_cache_spec for g in self.spec.config.groups]
-        self.kinds = tuple("state" if isinstance(s, MambaSpec) else "kv" for s in groups)
+        roles = Groups.of(kv_cache_config)
+        kinds: list[tuple[Literal["kv", "state"], int | None] | None] = []
+        for g in self.spec.config.groups:
+            if g.group_id in roles.windows:
+                kinds.append(("kv", roles.windows.index(g.group_id)))
+            elif g.group_id == roles.attn:
+                kinds.append(("kv", None))
+            elif g.group_id == roles.mamba:
+                kinds.append(("state", None))
+            else:
+                assert g.group_id in roles.shadow, (g.group_id, roles)
+                kinds.append(None)
+        self.kinds = tuple(kinds)
 
     # -- OffloadingWorker --------------------------------------------------------------
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec) -> bool:
@@ -159,9 +182,11 @@ class HarnessOffloadingWorker(OffloadingWorker):
             raise AssertionError(f"job {job_id}: {len(blocks)} blocks, {len(chunks)} chunks, group sizes "
                                  f"{list(gpu.group_sizes)}")
         job = self.jobs[job_id] = _Job(request_id, set())
-        for kind, block, chunk in zip(kinds, blocks, chunks):
+        for role, block, chunk in zip(kinds, blocks, chunks):
+            if role is None:
+                continue  # a shadow Mamba group's copy: its memory is not the harness's
             self._next_id += 1
-            t = Transfer(self._next_id, direction, kind, f"cpu{chunk}", block, request_id)
+            t = Transfer(self._next_id, direction, role[0], f"cpu{chunk}", block, request_id, window_group=role[1])
             job.transfers.add(t.id)
             self.by_transfer[t.id] = job_id
             (self.later if direction == "offload" and job_id not in self.waited else self.now).append(t)

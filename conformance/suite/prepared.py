@@ -138,3 +138,18 @@ def resources_for(run: Run) -> Resources:
 
         env = build_faults(run.faults, run.seed)  # validated by prepare_run
     return Resources(model=model, oracle=Oracle(model), faults=env)
+
+
+def freeze_heap() -> None:
+    """For a process that runs checks and then ends (the console's command, a
+    ``--workers`` process): what it holds before its first check (the modules
+    of torch, Hypothesis and the suite, about 200,000 objects) lives until it
+    ends, so it leaves the cyclic garbage collector's generations
+    (``gc.freeze``) and no full collection walks it again.  A check's process
+    meets a full collection every second or so, each walking all of them:
+    hard-prefixes spent 9% of its time in the collector, 5% frozen
+    (docs/benchmarks.md, 2026-12-04).  Not for a process that goes on after
+    the run (pytest): garbage left then would never be collected."""
+    import gc
+
+    gc.freeze()

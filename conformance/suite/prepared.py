@@ -145,11 +145,11 @@ def freeze_heap() -> None:
     ``--workers`` process): what it holds before its first check (the modules
     of torch, Hypothesis and the suite, about 200,000 objects) lives until it
     ends, so it leaves the cyclic garbage collector's generations
-    (``gc.freeze``) and no full collection walks it again.  A check's process
-    meets a full collection every second or so, each walking all of them:
-    hard-prefixes spent 9% of its time in the collector, 5% frozen
-    (docs/benchmarks.md, 2026-12-04).  Not for a process that goes on after
-    the run (pytest): garbage left then would never be collected."""
+    (``gc.freeze``) and no full collection walks it again: hard-prefixes and
+    kv-scarce spent 3% of their time in the collector, 1% frozen (2026-12-04;
+    about 8% at ``1323528``, when the oracle kept a tensor view per prefix).
+    Not for a process that goes on after the run (pytest): garbage left then
+    would never be collected."""
     import gc
 
     gc.freeze()

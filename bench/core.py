@@ -12,7 +12,8 @@ window (``--baseline``) and prints both side by side with their ratio.
 
 A change's cost is measured against the commit before it, side by side: ``--against REV`` runs the same profile
 from this checkout and from REV (a temporary git worktree), alternating them ``--rounds`` times, each run a fresh
-``python -m conformance run`` process, and prints every wall time, the medians and their ratio (this / REV):
+``python -m conformance run`` process, and prints every wall time and CPU time (the run's processes, user + system:
+on a shared machine it moves less with the load than the wall time), the medians and their ratios (this / REV):
 
     python bench/core.py --against main --rounds 2 [--impl reference] [--check ID ...] [--workers 2]
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -110,15 +112,20 @@ def main() -> None:
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def timed_run(tree: Path, args, out: Path) -> tuple[float, int]:
-    """Wall seconds and exit status of one ``python -m conformance run`` from ``tree``'s code."""
+def timed_run(tree: Path, args, out: Path) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds (user + system, the run's processes together) and exit status of one
+    ``python -m conformance run`` from ``tree``'s code.  On a machine shared with other jobs the CPU
+    seconds move less than the wall time: a run that waits for a core is not charged for the wait."""
     cmd = [sys.executable, "-m", "conformance", "run", "--impl", args.impl, "--profile", args.profile,
            "--seed", str(args.seed), "--report-dir", str(out), "--workers", str(args.workers)]
     cmd += [f"--check={c}" for c in args.check] + (["--no-matrix"] if args.no_matrix else [])
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     rc = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-    return time.perf_counter() - t, rc
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, rc
 
 
 def against(args) -> None:
@@ -132,17 +139,22 @@ def against(args) -> None:
                        check=True)
         try:
             times: dict[str, list[float]] = {"this": [], "old": []}
+            cpu: dict[str, list[float]] = {"this": [], "old": []}
             for i in range(args.rounds):
                 for side, tree in (("old", old), ("this", ROOT)) if i % 2 else (("this", ROOT), ("old", old)):
-                    wall, rc = timed_run(tree, args, Path(tmp) / f"{side}{i}")
+                    wall, used, rc = timed_run(tree, args, Path(tmp) / f"{side}{i}")
                     times[side].append(wall)
-                    print(f"round {i + 1} {side:4s} {wall:7.1f} s (exit {rc})", flush=True)
+                    cpu[side].append(used)
+                    print(f"round {i + 1} {side:4s} {wall:7.1f} s, CPU {used:7.1f} s (exit {rc}, load "
+                          f"{os.getloadavg()[0]:.1f})", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT)
     a, b = statistics.median(times["this"]), statistics.median(times["old"])
+    ca, cb = statistics.median(cpu["this"]), statistics.median(cpu["old"])
     load = os.getloadavg()[0]
     print(f"side by side ({args.impl}, {args.profile}, seed {args.seed}, load {load:.1f}): this checkout {a:.1f} s | "
-          f"{args.against} ({rev.stdout.strip()}) {b:.1f} s | ratio {a / b:.2f}")
+          f"{args.against} ({rev.stdout.strip()}) {b:.1f} s | ratio {a / b:.2f} (CPU {ca:.1f} vs {cb:.1f} s: "
+          f"ratio {ca / cb:.2f})")
 
 
 def report(args, result, wall: float) -> None:

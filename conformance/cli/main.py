@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
             return supervise(sys.argv[1:])
     try:
         args = build_parser().parse_args(argv)
+        if argv is None:  # from the console, this process ends with the command
+            from conformance.suite.prepared import freeze_heap
+
+            freeze_heap()
         try:
             return int(args.func(args) or 0)
         except SystemExit as exc:

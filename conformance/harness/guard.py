@@ -11,10 +11,20 @@ re-armed for what is left of it after the call.
 mistakes for Ctrl-C) are the implementation's failure, never the run's end:
 only a signal that really arrived during the call (the user's Ctrl-C, a CI's
 SIGTERM) stops the run.  The two are told apart by the signal handlers, which
-record each signal before delegating to the handler they replace."""
+record each signal before delegating to the handler they replace.
+
+Handlers are read and set through ``_signal``, the C module under ``signal``:
+``signal.signal`` and ``signal.getsignal`` convert every handler to a
+``Handlers`` member, and for a callable (ours, and pytest's or the CLI's)
+that conversion raises and catches a ValueError each time, about 8 us a
+call.  A guarded call sets and reads handlers ten times, and a quick profile
+makes about 60,000 guarded calls: about 5% of its time went there.  The C
+functions take and return the same handlers (``SIG_DFL`` and ``SIG_IGN`` as
+plain ints, equal to the enum members), so what is installed is the same."""
 
 from __future__ import annotations
 
+import _signal  # noqa: PLC2701 - the C functions under signal.signal and signal.getsignal (see above)
 import signal
 import threading
 import time
@@ -52,7 +62,7 @@ def guarded(what: str, fn, *args, timeout: float | None = None):
     fire_outer = [False]  # the outer timer is due before this call's timeout
     handed = [False]  # ... and it came due: its handler has the alarm now
     if use_alarm and timeout:
-        old = signal.getsignal(signal.SIGALRM)
+        old = _signal.getsignal(signal.SIGALRM)
         delay, interval = signal.setitimer(signal.ITIMER_REAL, 0)
         if delay > 0:
             outer = (time.monotonic() + delay, interval)
@@ -60,12 +70,12 @@ def guarded(what: str, fn, *args, timeout: float | None = None):
         def on_alarm(signum, frame):
             if fire_outer[0]:  # the outer timer is due first: it fires, with its own handler
                 handed[0] = True
-                signal.signal(signal.SIGALRM, old)
+                _signal.signal(signal.SIGALRM, old)
                 signal.setitimer(signal.ITIMER_REAL, 1e-6, outer[1] if outer else 0)
                 return
             raise _Timeout()
 
-        signal.signal(signal.SIGALRM, on_alarm)
+        _signal.signal(signal.SIGALRM, on_alarm)
         if outer is not None and delay < timeout:
             fire_outer[0] = True
             signal.setitimer(signal.ITIMER_REAL, delay)
@@ -91,11 +101,11 @@ def guarded(what: str, fn, *args, timeout: float | None = None):
         raise ImplementationError("raised", f"{what} raised {type(exc).__name__}: {exc}\n" + "".join(tb[-3:])) from exc
     finally:
         for signum, previous in handlers.items():
-            signal.signal(signum, previous)
+            _signal.signal(signum, previous)
         if use_alarm and not handed[0]:
             signal.setitimer(signal.ITIMER_REAL, 0)
-            if signal.getsignal(signal.SIGALRM) is not old:
-                signal.signal(signal.SIGALRM, old)
+            if _signal.getsignal(signal.SIGALRM) is not old:
+                _signal.signal(signal.SIGALRM, old)
             if outer is not None:  # the outer timer goes on, for what is left of it
                 signal.setitimer(signal.ITIMER_REAL, max(outer[0] - time.monotonic(), 1e-6), outer[1])
 
@@ -110,10 +120,10 @@ def _record_signals() -> dict:
     replaced = {}
     for signum in _STOPPING:
         try:
-            previous = signal.getsignal(signum)
+            previous = _signal.getsignal(signum)
         except (ValueError, OSError):
             continue
         if callable(previous) and not isinstance(previous, _Recording):
-            signal.signal(signum, _Recording(previous))
+            _signal.signal(signum, _Recording(previous))
             replaced[signum] = previous
     return replaced

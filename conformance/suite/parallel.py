@@ -37,10 +37,11 @@ def _init(options) -> None:
     # keep, so workers ignore SIGINT and are terminated by the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from conformance.suite.prepare import prepare_run
-    from conformance.suite.prepared import resources_for
+    from conformance.suite.prepared import freeze_heap, resources_for
 
     run = prepare_run(options)
     _WORKER.update(run=run, res=resources_for(run))
+    freeze_heap()  # a worker ends with the run
 
 
 def _run_one(position: int):

@@ -13,6 +13,19 @@ from conformance.contract import CacheView
 Prefix = tuple[int, ...]
 
 
+def _by_block(entries, block_size: int) -> tuple[dict[int, set[Prefix]], dict[tuple[int, int], set[Prefix]]]:
+    """Cached KV entries by block index: the full attention layers' (a window group's block serves
+    none of them), and each window group's by (group, block index)."""
+    kv: dict[int, set[Prefix]] = {}
+    win: dict[tuple[int, int], set[Prefix]] = {}
+    for e in entries:
+        if e.tokens:
+            k = (len(e.tokens) - 1) // block_size
+            (kv.setdefault(k, set()) if e.window_group is None else win.setdefault((e.window_group, k), set())).add(
+                e.tokens)
+    return kv, win
+
+
 class ViewIndex:
     """A view's cached content, indexed for prefix questions (built on first
     use: most views are never asked)."""
@@ -34,14 +47,7 @@ class ViewIndex:
     def kv_by_block(self) -> dict[int, set[Prefix]]:
         """The full attention layers' blocks (a window group's block serves no full attention layer)."""
         if self._kv is None:
-            self._kv, self._win = {}, {}
-            for e in self.view.cached_kv if self.view is not None else ():
-                if e.tokens:
-                    k = (len(e.tokens) - 1) // self.block_size
-                    if e.window_group is None:
-                        self._kv.setdefault(k, set()).add(e.tokens)
-                    else:
-                        self._win.setdefault((e.window_group, k), set()).add(e.tokens)
+            self._kv, self._win = _by_block(self.view.cached_kv if self.view is not None else (), self.block_size)
         return self._kv
 
     @property
@@ -123,14 +129,8 @@ class HeldAcross(ViewIndex):
             return
         kept_kv = {(e.block, e.window_group, e.tokens) for e in before.cached_kv}
         kept_states = {(e.slot, e.tokens) for e in before.cached_states}
-        self._kv, self._win = {}, {}
-        for e in after.cached_kv:
-            if e.tokens and (e.block, e.window_group, e.tokens) in kept_kv:
-                k = (len(e.tokens) - 1) // block_size
-                if e.window_group is None:
-                    self._kv.setdefault(k, set()).add(e.tokens)
-                else:
-                    self._win.setdefault((e.window_group, k), set()).add(e.tokens)
+        self._kv, self._win = _by_block((e for e in after.cached_kv if (e.block, e.window_group, e.tokens) in kept_kv),
+                                        block_size)
         self._states = {e.tokens for e in after.cached_states if (e.slot, e.tokens) in kept_states}
 
 

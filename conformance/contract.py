@@ -280,6 +280,25 @@ class CachedState:
 
 
 @dataclass(frozen=True)
+class HostCached:
+    """A host-tier entry the implementation holds as loadable for ``tokens``:
+    the harness store's entry ``key`` (an offload that completed: listed from
+    its completion on, no earlier), read like :class:`CachedKV` (``kind``
+    "kv": the KV of the block that ends the prefix, for the full attention
+    layers or ``window_group``'s) or :class:`CachedState` (``kind`` "state":
+    the state after ``tokens``).  Judged against the bytes the store holds
+    (their provenance), as device entries are judged against memory: a tier
+    that stores a block after its new owner wrote it, under the old prefix's
+    key, is seen when it publishes the entry, not only if a later request
+    happens to load it."""
+
+    key: str
+    tokens: tuple[int, ...]
+    kind: Literal["kv", "state"] = "kv"
+    window_group: int | None = None
+
+
+@dataclass(frozen=True)
 class CacheView:
     """The implementation's bookkeeping, as it states it; the harness checks it
     against memory.  Empty collections are fine for what an implementation
@@ -300,6 +319,9 @@ class CacheView:
     cached_kv: tuple[CachedKV, ...] = ()
     cached_states: tuple[CachedState, ...] = ()
     running: tuple[str, ...] = ()  # requests that hold memory
+    # The host tier's entries, where the implementation has one and can say what each
+    # holds (empty: not judged; the expected-hit oracle and the logits still are)
+    host_cached: tuple[HostCached, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -229,17 +229,17 @@ def window_extra_retained_dropped(adapter):
 VLLM_OFFLOAD_MUTANTS: dict[str, Callable] = {
     "vllm-offload-mamba-clamp-reverted": mamba_clamp_reverted,
     "vllm-offload-eagle-pop-every-group": eagle_pop_every_group,
+    "vllm-offload-store-fence-dropped": store_fence_dropped,
+    "vllm-offload-finished-store-fence-dropped": finished_store_fence_dropped,
 }
 
+# The two store fences (vllm#42959's family) are caught since the view lists the CPU tier's ready
+# chunks and the invariants judge them against the store's provenance (judge/invariants.py
+# check_host_view), and tier-races builds the history that turns a pool over in one step
+# (generate/rules/turnover.py): before, the wrong bytes sat in the tier until a request happened
+# to load that very chunk, which no seed did.
 # Fixes taken back that the general suite does not catch yet, so not registered
-# (``mutants --impl vllm`` would read them as blind spots, which they are):
-# both put another request's bytes into a CPU chunk under a finished or running
-# request's key (measured: a store read after the block's new owner wrote it,
-# the chunk's provenance "after 17 tokens" under the key of 16), and the suite
-# sees it only when a later request loads that very chunk, before the device
-# has it again: the contract has no view of the host tier to check the chunks
-# against memory, and the tier checks' histories did not load one at seed 0
-# (tier-reuse and tier-races, 25 examples each, interval 0).  The window fixes (measured
+# (``mutants --impl vllm`` would read them as blind spots, which they are).  The window fixes (measured
 # 2026-12-04 on tier-reuse and tier-races over the window model, seed 0; docs/vllm-adapter.md):
 # #42959's zeroing fires (2014 ids) but no store job read a zeroed id (0): a window chunk
 # outlives its block unstored only where the CPU tier refuses the store, which neither the
@@ -248,8 +248,6 @@ VLLM_OFFLOAD_MUTANTS: dict[str, Callable] = {
 # extra retained tokens are 0 without multi-module MTP, which the adapter does not configure
 # (the mutant refuses to apply).
 CANDIDATES: dict[str, Callable] = {
-    "vllm-offload-store-fence-dropped": store_fence_dropped,
-    "vllm-offload-finished-store-fence-dropped": finished_store_fence_dropped,
     "vllm-offload-window-stale-blocks-kept": window_stale_blocks_kept,
     "vllm-offload-window-final-tail-dropped": window_final_tail_dropped,
     "vllm-offload-window-extra-retained-dropped": window_extra_retained_dropped,

@@ -78,6 +78,12 @@ def test_usage_errors_exit_2_with_one_line(capsys, argv, needle):
     assert needle in err and len(err.splitlines()) == 1
 
 
+def test_run_help_exits_0_with_the_help_alone():
+    proc = subprocess.run([sys.executable, "-m", "conformance", "run", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "--impl" in proc.stdout and proc.stderr == ""
+
+
 def test_python_dash_m_entry_point():
     proc = subprocess.run([sys.executable, "-m", "conformance", "run", "--impl", "nope"], capture_output=True,
                           text=True, timeout=120)

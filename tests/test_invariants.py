@@ -42,3 +42,42 @@ def test_a_scheduled_table_must_be_referenced():
     assert check_tables_referenced(CacheView(kv_refcounts={1: 1, 3: 1}), plan, 4) == []
     problems = check_tables_referenced(CacheView(kv_refcounts={1: 1, 3: 0}), plan, 4)
     assert problems and "KV block 3" in problems[0]
+
+
+def _store():
+    from conformance.harness.transport import HostEntry, HostStore, Payload
+
+    store = HostStore()
+    kv = Payload("kv", {}, {"kv": [(7, 8, 9, 10, 11), (7, 8, 9, 10, 11, 12), None, None]})
+    store.put("kv", HostEntry(kv, "c"))
+    store.put("state", HostEntry(Payload("state", {}, {"conv": (7, 8), "ssm": (7, 8)}), "c"))
+    store.put("broken", HostEntry(Payload("state", {}, {"conv": (1,), "ssm": (1,)}), "c", intact=False))
+    return store
+
+
+def test_host_listings_are_judged_against_the_store_they_name():
+    from conformance.contract import HostCached
+    from conformance.judge.invariants import check_host_view
+
+    honest = CacheView(host_cached=(HostCached("kv", (7, 8, 9, 10, 11, 12)), HostCached("state", (7, 8), "state"),
+                                    HostCached("gone", (1, 2), "state"), HostCached("broken", (7, 8), "state")))
+    # a key the store lost (an environment fault) and bytes broken on the wire are not the listing's fault
+    assert check_host_view(honest, _store(), 4) == []
+    wrong = CacheView(host_cached=(HostCached("kv", (7, 8, 9, 10, 11, 13)), HostCached("state", (7, 8, 9), "state"),
+                                   HostCached("kv", (7, 8, 9, 10, 11, 12), "kv", 0)))
+    problems = check_host_view(wrong, _store(), 4)
+    assert any("host entry kv" in p and "position 5 holds content of another" in p for p in problems)
+    assert any("host entry state" in p and "state after 2 tokens of the same sequence" in p for p in problems)
+    assert any("window group 0's KV but holds full attention KV" in p for p in problems)
+
+
+def test_a_host_entry_found_right_is_not_judged_again_until_the_store_replaces_it():
+    from conformance.contract import HostCached
+    from conformance.harness.transport import HostEntry, Payload
+    from conformance.judge.invariants import check_host_view
+
+    store, judged = _store(), {}
+    view = CacheView(host_cached=(HostCached("state", (7, 8), "state"),))
+    assert check_host_view(view, store, 4, judged) == [] and set(judged) == {"state"}
+    store.put("state", HostEntry(Payload("state", {}, {"conv": (9,), "ssm": (9,)}), "c"))  # another offload
+    assert check_host_view(view, store, 4, judged)

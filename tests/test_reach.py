@@ -114,3 +114,15 @@ def test_the_quick_profile_catches_each_witness(letter):
     seed, its examples): the catch is the general suite's."""
     res = run_single_check(WITNESSES[letter], CAUGHT_BY[letter], RunOptions(seed=0, write_reports=False))
     assert res.status == "failed" and res.failure.kind != "coverage", res.failure
+
+
+def test_the_turn_over_hands_a_finished_requests_blocks_to_the_next_step(machine):
+    """The ``turn-over`` history (generate/rules/turnover.py): a finished request's blocks are written by
+    the step right after, and the reference, whose tier copies a block before it is overwritten, passes
+    it with its host listings judged against the store."""
+    m = machine("tier-races", ReferenceCache)
+    m.finish_then_turn_over(1, 0)  # a cold pool: the reference's never-used blocks go first
+    m.built.discard("turn-over")
+    m.finish_then_turn_over(0, 1)
+    cov = m.session.coverage
+    assert cov["finished_blocks_retaken"] >= 1, cov

@@ -17,7 +17,7 @@ from conformance.adapters.vllm import VllmCache  # noqa: E402
 from conformance.adapters.vllm.config import VllmOptions  # noqa: E402
 from conformance.contract import ImplConfig  # noqa: E402
 from conformance.errors import ConformanceFailure, ImplementationError  # noqa: E402
-from conformance.harness.ops import Drain, Submit  # noqa: E402
+from conformance.harness.ops import Drain, Step, Submit  # noqa: E402
 from fault_injection.vllm_offload_mutants import OPTIONS, VLLM_OFFLOAD_MUTANTS  # noqa: E402
 
 B = 4
@@ -28,8 +28,8 @@ def junk(j: int, n: int = 17) -> tuple[int, ...]:
     return tuple((11 * i + 5 * j + 2) % 60 + 1 for i in range(n))
 
 
-def make(model, oracle, policy="lru", num_blocks=14, mutant=None, **options):
-    impl = VllmCache(ImplConfig(block_size=B, num_kv_blocks=num_blocks, num_state_slots=num_blocks,
+def make(model, oracle, policy="lru", num_blocks=14, mutant=None, num_state_slots=None, **options):
+    impl = VllmCache(ImplConfig(block_size=B, num_kv_blocks=num_blocks, num_state_slots=num_state_slots or num_blocks,
                                 options={"connector": f"offload-{policy}", **options}))
     if mutant is not None:
         impl = VLLM_OFFLOAD_MUTANTS[mutant](impl)
@@ -111,6 +111,34 @@ def test_the_mamba_clamp_mutant_is_caught_by_a_generic_sequence(model, oracle):
         for op in ops:
             s.apply(op)
     assert caught.value.kind == "logits"
+
+
+def turn_over(seed=3):
+    """The turn-over history (conformance/generate/rules/turnover.py) as the suite minimized it: a
+    request that keeps decoding, then two long prompts at once; the first finishes in its only step
+    and the second's allocations take its freshly freed blocks in the next step."""
+    import random
+
+    rng = random.Random(seed)
+    prompt = lambda n: tuple(rng.randrange(1, 64) for _ in range(n))  # noqa: E731
+    return [Submit("q", prompt(27), 5), Step(64), Submit("r", prompt(29), 1), Submit("s", prompt(31), 1),
+            Drain(1024)]
+
+
+@pytest.mark.parametrize("mutant", ["vllm-offload-store-fence-dropped", "vllm-offload-finished-store-fence-dropped"])
+def test_the_store_fence_mutants_are_caught_by_the_host_listing_judge(model, oracle, mutant):
+    """vLLM waits for a store whose block it hands out again (jobs_to_flush); without the fence the
+    copy reads the block's new owner and the CPU tier publishes it under the old key: the view's
+    host listing, judged against the store's provenance, says so when the chunk becomes ready."""
+    s = make(model, oracle, num_blocks=28, num_state_slots=10)
+    for op in turn_over():
+        s.apply(op)
+    assert s.impl.connector.stats["flushed"] > 0 and s.coverage["host_entries_judged"] > 0
+    s = make(model, oracle, num_blocks=28, num_state_slots=10, mutant=mutant)
+    with pytest.raises(ConformanceFailure) as caught:
+        for op in turn_over():
+            s.apply(op)
+    assert caught.value.kind == "invariant" and "host entry" in str(caught.value)
 
 
 def test_offload_mutants_are_registered_for_the_tier_family():

@@ -36,9 +36,10 @@ CHILD = "HCC_SUPERVISED_REPORT_DIR_FILE"
 
 
 def wanted(argv: list[str]) -> bool:
-    """Supervise this command line: ``run``, not already a supervised child, not turned off."""
+    """Supervise this command line: ``run``, not already a supervised child, not turned off, not
+    asking for help (``run --help`` prints and exits 0 with no report: no run to supervise)."""
     return bool(argv) and argv[0] == "run" and CHILD not in os.environ and \
-        os.environ.get("HCC_NO_SUPERVISOR", "") in ("", "0")
+        os.environ.get("HCC_NO_SUPERVISOR", "") in ("", "0") and not {"-h", "--help"} & set(argv[1:])
 
 
 def tell_parent(report_dir: Path | None) -> None:

@@ -41,6 +41,7 @@ from conformance.generate.rules.speculative import Speculative
 from conformance.generate.rules.steps import Steps
 from conformance.generate.rules.targeted import Targeted
 from conformance.generate.rules.transfers import Transfers
+from conformance.generate.rules.turnover import Turnover
 from conformance.generate.rules.windows import Windows
 from conformance.generate.settings import hypothesis_settings, stable_draws
 from conformance.generate.spec import CheckSpec, mixed
@@ -60,6 +61,7 @@ OPTIONAL_GROUPS: tuple[tuple[type, frozenset[str]], ...] = (
     (Targeted, frozenset({"evict-running", "abort-copy", "tier-tail", "kv-first"})),
     (Reach, frozenset({"reconverge", "wait", "spec"})),  # issue 37; "spec": its verification edges
     (Windows, frozenset({"window-freed"})),
+    (Turnover, frozenset({"turn-over"})),  # a finished request's blocks retaken at once (tier-races)
 )
 
 

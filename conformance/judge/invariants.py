@@ -7,6 +7,7 @@ from conformance.contract import NULL_BLOCK, CacheView, RequestStep, StepPlan
 from conformance.errors import ConformanceFailure
 from conformance.harness.checker import Checker
 from conformance.harness.memory import Memory
+from conformance.harness.transport import HostStore
 
 # What a stated refcount means (contract.CacheView): the number of holders
 # other than the cache itself -- requests, and copies or transfers of a step
@@ -59,6 +60,54 @@ def check_view(view: CacheView, memory: Memory, idle: bool) -> list[str]:
                 problems.append(f"state slot {state.slot} is registered as the state after {len(state.tokens)} "
                                 f"tokens but its {part} state is {_what(held, state.tokens)}")
     return problems
+
+
+def check_host_view(view: CacheView, store: HostStore, block_size: int, judged: dict | None = None) -> list[str]:
+    """Violations of the host tier's listings (``view.host_cached``) against
+    what the harness's store holds, as sentences.  Not judged: a listed key
+    the store no longer holds (an environment fault dropped it: the
+    implementation learns it when it loads), and an entry whose bytes are not
+    the source bytes (cut short or corrupted on the wire: ``intact`` False;
+    only a verifying load can tell, and rejects it).  ``judged``: entries found
+    right before, by key (an entry at rest does not change; a new offload puts
+    a new one), so a long listing costs its changes only."""
+    problems = []
+    for listed in view.host_cached:
+        entry = store.get(listed.key)
+        if entry is None or not entry.intact:
+            continue
+        seen = judged.get(listed.key) if judged is not None else None
+        if seen is not None and seen[1] is entry and seen[0] == listed:
+            continue
+        payload, n = entry.payload, len(listed.tokens)
+        if payload.kind != listed.kind or entry.window_group != listed.window_group:
+            problems.append(f"host entry {listed.key} is listed as {_host_what(listed.kind, listed.window_group)} "
+                            f"but holds {_host_what(payload.kind, entry.window_group)}")
+            continue
+        if listed.kind == "state":
+            for part, name in (("conv", "conv"), ("ssm", "matrix")):
+                held = payload.prov.get(part)
+                if held != listed.tokens:
+                    problems.append(f"host entry {listed.key} is listed as the state after {n} tokens but its "
+                                    f"{name} state is {_what(held, listed.tokens)}")
+                    break
+        else:
+            rows = payload.prov["kv"]
+            first = (n - 1) // block_size * block_size
+            for pos in range(first, n):
+                held = rows[pos - first] if pos - first < len(rows) else None
+                if held != listed.tokens[: pos + 1]:
+                    problems.append(f"host entry {listed.key} is listed as the KV block ending a {n}-token prefix"
+                                    f"{'' if listed.window_group is None else f' (window group {listed.window_group})'}"
+                                    f" but position {pos} holds {_what(held, listed.tokens[: pos + 1])}")
+                    break
+        if judged is not None and not problems:
+            judged[listed.key] = (listed, entry)
+    return problems
+
+
+def _host_what(kind: str, group: int | None) -> str:
+    return "a state" if kind == "state" else "full attention KV" if group is None else f"window group {group}'s KV"
 
 
 def used_blocks(rs: RequestStep, block_size: int, windows: tuple[int, ...] = ()) -> list[tuple[str, int]]:
@@ -157,7 +206,15 @@ class ViewMatchesMemory(Checker):
 
     name = "view-matches-memory"
 
+    def __init__(self):
+        super().__init__()
+        self._host_judged: dict = {}  # host entries found right: key -> (listing, store entry)
+
     def settled(self, obs, ev):
         if not ev.view.state_refcounts:
             self.notes.add(NO_STATE_REFCOUNTS)
         fail_if("invariant", check_view(ev.view, obs.memory, idle=ev.idle))
+        if ev.view.host_cached:
+            before = len(self._host_judged)
+            fail_if("invariant", check_host_view(ev.view, obs.store, obs.layout.block_size, self._host_judged))
+            self.count("host_entries_judged", len(self._host_judged) - before)

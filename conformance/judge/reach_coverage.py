@@ -42,6 +42,10 @@ oracle decided), never from what the implementation says of itself.
   chunk after a hit ending inside a block that stops before the prompt's
   end, on that block's end (the chances of a design that runs it there:
   ``judge/coverage.py``'s waivers).
+- ``finished_blocks_retaken``: a step writes a KV block that, when the step
+  before ended, held the KV of a request that finished in it: what an
+  asynchronous second tier still had to read of that request, unless it
+  waited, is overwritten (``turn-over``, :mod:`conformance.generate.rules.turnover`).
 
 The pool probe's requests (``obs.probing``) are not counted.
 """
@@ -55,7 +59,7 @@ Prefix = tuple[int, ...]
 REACH_COUNTERS = ("evictions_past_live_hit", "reconverged_blocks", "relocated_blocks", "drafts_past_remaining",
                   "ends_in_verification", "verify_below_declared", "rejected_drafts_opened_block",
                   "aborts_after_verify", "admissions_beside_verify", "waits_while_busy", "evicted_while_waiting",
-                  "aborts_after_copy_before_first_step", "hit_chunks_to_block_end")
+                  "aborts_after_copy_before_first_step", "hit_chunks_to_block_end", "finished_blocks_retaken")
 
 
 def _kv_len(memory, prompt: Prefix) -> int:
@@ -90,6 +94,7 @@ class ReachCoverage(Checker):
         self.verified: set[str] = set()  # requests that verified drafts
         self.waiting: dict[str, list] = {}  # request -> [KV held at submission, steps waited, lost]
         self.copied: dict[str, int] = {}  # unscheduled request -> a copied mid-block prefix of it
+        self.finished_kv: dict[int, tuple] = {}  # block -> its row, of requests the step before finished
 
     def attached(self, obs):
         for key in REACH_COUNTERS:
@@ -155,6 +160,11 @@ class ReachCoverage(Checker):
                 if v.request_id != rs.request_id and q <= v.end + len(v.drafts) and track.tokens[:q] == seq[:q]:
                     self.count("admissions_beside_verify")
                     break
+        if self.finished_kv:
+            written = {b for rs in plan.requests for b in rs.block_table[rs.start // B: -(-rs.end // B)]}
+            self.count("finished_blocks_retaken", any(b in written and tuple(mem.kv_prov[b]) == row
+                                                      for b, row in self.finished_kv.items()))
+            self.finished_kv = {}
         scheduled = {rs.request_id for rs in plan.requests}
         for rid, wait in self.waiting.items():  # a step that computes others while it waits
             if plan.requests and rid not in scheduled and rid in tracks and not tracks[rid].done:
@@ -182,6 +192,13 @@ class ReachCoverage(Checker):
         if obs.probing:
             return
         B = obs.layout.block_size
+        self.finished_kv = {}
+        for rid in record.finished:  # the blocks its table gave it that hold its KV now
+            tokens = obs.tracks[rid].tokens if rid in obs.tracks else ()
+            for b in self.tables.get(rid, ()):
+                row = obs.memory.kv_prov[b] if 0 <= b < len(obs.memory.kv_prov) else None
+                if row and any(p is not None and tokens[: len(p)] == p for p in row):
+                    self.finished_kv[b] = tuple(row)
         for v in obs.history.verified_this_step().values():
             self.verified.add(v.request_id)
             if v.request_id in record.finished and v.accepted < len(v.drafts):

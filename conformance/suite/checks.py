@@ -97,7 +97,7 @@ CHECKS: tuple[CheckSpec, ...] = (
     # never judged there, and fails this coverage).
     CheckSpec("tier-races", "tier",
               "loads completing late, out of order, failed or short, racing local and remote eviction and aborts",
-              frozenset({"transfers", "aba", "diverge", "step"}),
+              frozenset({"transfers", "aba", "diverge", "step", "turn-over"}),
               ("tier_loads", "loads_held", "store_evicted_during_load", "remote_expected"),
               num_kv_blocks=28, num_state_slots=10, max_seq_blocks=8, max_active=2, tier=True,
               observe=("expected-hit",)),

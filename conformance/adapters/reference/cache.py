@@ -193,7 +193,8 @@ class ReferenceCache(SpeculativeDecoding):
             cached_kv=tuple(self._entry(CachedKV, b, meta[2]) for b, meta in self.kv.meta.items())
             + tuple(self._entry(CachedKV, b, meta[3], meta[0]) for b, meta in self.kv.win_meta.items()),
             cached_states=tuple(self._entry(CachedState, s, prefix) for s, prefix in self.states.snap.items()),
-            running=tuple(r.request_id for r in self.running))
+            running=tuple(r.request_id for r in self.running),
+            host_cached=self.tier.listing() if self.tier is not None else ())
 
     def _entry(self, kind, ident: int, prefix: tuple[int, ...], group: int | None = None):
         """View entries are immutable: rebuild one only when its content changed

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from conformance.adapters.reference.block_pool import ROOT, chain
-from conformance.contract import Transfer, TransferDone
+from conformance.contract import HostCached, Transfer, TransferDone
 
 Kind = Literal["kv", "state"]
 
@@ -55,6 +55,10 @@ class HostTier:
     # -- the cache's hooks ---------------------------------------------------------------
     def is_loading(self, request_id: str) -> bool:
         return request_id in self.loading
+
+    def listing(self) -> tuple[HostCached, ...]:
+        """What the tier holds as loadable (offloads that completed), for the view."""
+        return tuple(HostCached(k, e["prefix"], e["kind"]) for k, e in self.entries.items())
 
     def take(self) -> tuple[Transfer, ...]:
         planned, self.planned = self.planned, []

@@ -388,6 +388,8 @@ class VllmCache:
         view, unknown = build_view(self.pool, self.registry, running,
                                    self.scheduler.kv_cache_manager.coordinator.single_type_managers, self.runner.groups)
         self.stats["unknown_hashes"] = max(self.stats["unknown_hashes"], unknown)
+        if self.opts.offload:  # vLLM's own tier lists what its manager holds ready (.offloading)
+            view = replace(view, host_cached=self.connector.host_listing(self.registry))
         return view
 
     # -- helpers ---------------------------------------------------------------------

@@ -52,12 +52,18 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.outputs import KVConnectorOutput
 
 from conformance.adapters.vllm.config import Groups, attention_page_per_token
-from conformance.contract import Transfer, TransferDone
+from conformance.contract import HostCached, Transfer, TransferDone
 
 SPEC_NAME = "HarnessOffloadingSpec"
 GROUP_KINDS = ("kv", "state")  # the adapter's groups (.config: ATTN_GROUP, MAMBA_GROUP), as harness memory holds them
@@ -265,6 +271,33 @@ class OffloadingTier:
 
     def bind_adapter(self, adapter) -> None:  # the store connector's interface (adapter.py)
         pass
+
+    def host_listing(self, registry) -> tuple[HostCached, ...]:
+        """The chunks vLLM's manager holds ready (``complete_store`` ran: a lookup
+        may hit them from now on) as the contract's host listing: the chunk's
+        harness key, the prefix its ``OffloadKey``'s block hash covers (the
+        adapter's hash registry; a hash it never saw is left out) and the memory
+        of its group.  The manager's own structures, read, not changed: the LRU
+        policy's ``chunks``, the ARC policy's ``t1`` and ``t2`` (its ghost lists
+        hold no chunk).  A drafter group's partial tail is keyed at its EAGLE
+        proof, past what its block holds (scheduler.py ``_partial_tail_key_tokens``):
+        such groups are left out."""
+        policy = self.manager._policy
+        chunks = getattr(policy, "chunks", None)
+        items = list(chunks.items()) if chunks is not None else [*policy.t1.items(), *policy.t2.items()]
+        config = self.scheduler_connector.connector_scheduler.config
+        eagle = {g.group_idx for g in config.kv_group_configs if g.is_eagle_group}
+        roles = {g.group_id: kind for g, kind in zip(self.worker.spec.config.groups, self.worker.kinds)}
+        out = []
+        for key, chunk in items:
+            group = get_offload_group_idx(key)
+            role = roles.get(group)
+            if not chunk.is_ready or role is None or group in eagle:
+                continue
+            prefix = registry.prefixes.get(get_offload_block_hash(key))
+            if prefix is not None:
+                out.append(HostCached(f"cpu{chunk.chunk_id}", prefix, role[0], role[1]))
+        return tuple(out)
 
     def busy(self) -> bool:
         return self.worker.busy() or bool(self.worker.later) or bool(self.worker.now)

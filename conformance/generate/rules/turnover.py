@@ -1,0 +1,77 @@
+"""A finished request's blocks taken by the very next step (``turn-over``).
+
+A second tier that stores asynchronously reads a block some time after the
+step that completed it.  vLLM's offloading connector submits a step's store
+jobs with the next step and copies them while that step runs; when a
+request finishes, its blocks are freed at once, and the blocks its pending
+stores still read are fenced (``deferred_fence_block_ids``): a step that
+allocates one again waits for the store first (``jobs_to_flush``).  Without
+the fence, the copy reads what the block's new owner wrote and the tier
+keeps it under the finished request's key (vllm#42959's family).  An LRU
+free queue hands a just-freed block out last, so the history needs a pool
+turned over in one step: a request that holds its blocks decodes, and three
+long ones arrive together, more than the pool holds beside it, so that each
+waits and is admitted on what the one before frees when it finishes (the
+``wait`` rule's licence: each alone fits, none needs more once running).  Whatever
+the tier's design, it must hold no other bytes under the finished request's
+keys (the host listings are judged against the store,
+:func:`conformance.judge.invariants.check_host_view`); the counter
+``finished_blocks_retaken`` (:class:`conformance.judge.reach_coverage.ReachCoverage`)
+says, from memory, that the next step did overwrite such a block.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import strategies as st
+
+from conformance.generate.configured import configured_rule
+from conformance.generate.rules.base import MachineBase
+from conformance.harness.ops import Drain, Step, Submit
+
+
+class Turnover(MachineBase):
+    """The ``turn-over`` history (see the module's docstring)."""
+
+    @configured_rule(precondition=lambda self: self.enabled("turn-over") and self.session is not None
+                     and "turn-over" not in self.built,
+                     seed=lambda c: st.integers(0, 2**32 - 1), fewer=lambda c: st.integers(0, 1))
+    def finish_then_turn_over(self, seed, fewer):
+        """Q, ``fewer`` blocks short of the longest sequence less one block,
+        its decode of three tokens inside its last block, prefills; then R
+        (whole blocks, one block short of the longest; one token), S and T
+        (the longest prompts; one token each) arrive together.  Each alone
+        fits and none needs more once running, so a correct cache serves them
+        all; where the pool cannot hold them beside Q, S waits and is
+        admitted when R finishes, in the very next step, on what R freed, and
+        T on what S freed.  Once they are done, R is asked again: what the
+        tiers kept of it serves it (its last boundary's state, R being whole
+        blocks).  Once an example: the check's other histories keep their
+        share of its steps."""
+        self.built.add("turn-over")
+        if self.busy():
+            self.apply(Drain(1024))
+        rng, B, L = random.Random(seed), self.B, self.max_len
+        q_len, r_len = (L // B - 1 - fewer) * B - 3, (L // B - 1) * B
+        if B < 4 or q_len < 2 * B or not self.fits(q_len, 3) or not self.fits(r_len, 1):
+            return
+        vocab = self.model.config.vocab_size
+        fresh = lambda n: tuple(rng.randrange(vocab) for _ in range(n))  # noqa: E731
+        q = self.new_id()
+        self.apply(Submit(q, fresh(q_len), 3))
+        tracks = self.session.tracks
+        for _ in range(L + 2):  # Q's prefill (a cache may run it a block a step)
+            if self.stopped or tracks[q].done or (tracks[q].computed or 0) >= q_len:
+                break
+            self.apply(Step(2 * L))
+        if self.stopped or tracks[q].done:  # (stopped: a known defect ended the example, nothing was applied)
+            return
+        r = fresh(r_len)
+        self.apply(Submit(self.new_id(), r, 1))
+        for _ in range(2):  # beyond what fits beside Q and R, on purpose
+            self.apply(Submit(self.new_id(), fresh(L - 1), 1))
+        self.apply(Drain(1024))
+        if self.fits(r_len, 1):
+            self.apply(Submit(self.new_id(), r, 1))
+            self.apply(Drain(1024))

@@ -40,7 +40,8 @@ class Turnover(MachineBase):
     def finish_then_turn_over(self, seed, fewer):
         """Q, ``fewer`` blocks short of the longest sequence less one block,
         its decode of three tokens inside its last block, prefills; then R
-        (whole blocks, one block short of the longest; one token), S and T
+        (whole blocks, one block short of the longest, or fewer where that
+        does not fit beside Q; one token), S and T
         (the longest prompts; one token each) arrive together.  Each alone
         fits and none needs more once running, so a correct cache serves them
         all; where the pool cannot hold them beside Q, S waits and is
@@ -67,6 +68,8 @@ class Turnover(MachineBase):
             self.apply(Step(2 * L))
         if self.stopped or tracks[q].done:  # (stopped: a known defect ended the example, nothing was applied)
             return
+        while r_len > 2 * B and not self.fits(r_len, 1):  # beside Q (a window model's groups take more)
+            r_len -= B
         r = fresh(r_len)
         self.apply(Submit(self.new_id(), r, 1))
         for _ in range(2):  # beyond what fits beside Q and R, on purpose

@@ -114,9 +114,10 @@ def test_the_mamba_clamp_mutant_is_caught_by_a_generic_sequence(model, oracle):
 
 
 def turn_over(seed=3):
-    """The turn-over history (conformance/generate/rules/turnover.py) as the suite minimized it: a
-    request that keeps decoding, then two long prompts at once; the first finishes in its only step
-    and the second's allocations take its freshly freed blocks in the next step."""
+    """A turn-over history (conformance/generate/rules/turnover.py's shape), as the suite minimized
+    one: a request that keeps decoding, then two long prompts at once; the first finishes in its only
+    step, the second waits for room and its allocations take the first's freshly freed blocks in the
+    next step."""
     import random
 
     rng = random.Random(seed)

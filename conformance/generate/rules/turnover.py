@@ -9,10 +9,10 @@ allocates one again waits for the store first (``jobs_to_flush``).  Without
 the fence, the copy reads what the block's new owner wrote and the tier
 keeps it under the finished request's key (vllm#42959's family).  An LRU
 free queue hands a just-freed block out last, so the history needs a pool
-turned over in one step: a request that holds its blocks decodes, and three
-long ones arrive together, more than the pool holds beside it, so that each
-waits and is admitted on what the one before frees when it finishes (the
-``wait`` rule's licence: each alone fits, none needs more once running).  Whatever
+turned over in one step: a request that holds its blocks decodes, and long
+ones arrive beside it, more than the pool holds, so that each waits for what
+the one before frees (the ``wait`` rule's licence: each alone fits, and the
+one they wait beside needs nothing more once running).  Whatever
 the tier's design, it must hold no other bytes under the finished request's
 keys (the host listings are judged against the store,
 :func:`conformance.judge.invariants.check_host_view`); the counter
@@ -26,6 +26,7 @@ import random
 
 from hypothesis import strategies as st
 
+from conformance.generate.budget import blocks_for
 from conformance.generate.configured import configured_rule
 from conformance.generate.rules.base import MachineBase
 from conformance.harness.ops import Drain, Step, Submit
@@ -41,15 +42,18 @@ class Turnover(MachineBase):
         """Q, ``fewer`` blocks short of the longest sequence less one block,
         its decode of three tokens inside its last block, prefills; then R
         (whole blocks, one block short of the longest, or fewer where that
-        does not fit beside Q; one token), S and T
-        (the longest prompts; one token each) arrive together.  Each alone
-        fits and none needs more once running, so a correct cache serves them
-        all; where the pool cannot hold them beside Q, S waits and is
-        admitted when R finishes, in the very next step, on what R freed, and
-        T on what S freed.  Once they are done, R is asked again: what the
-        tiers kept of it serves it (its last boundary's state, R being whole
-        blocks).  Once an example: the check's other histories keep their
-        share of its steps."""
+        does not fit beside Q; one token) and S (the longest prompt that fits
+        alone; one token) arrive together, and T (as S) once R is done.  S
+        beside Q and R is beyond what the generator's budget admits, on
+        purpose: where the pool cannot hold it, S waits and is admitted on
+        what R freed, in the step right after R finished, and T on what S
+        frees.  A pair arrives together only where the two alone fit the pool
+        together (else the second once the first is done), and Q needs
+        nothing more once running and finishes, so a cache that allocates a
+        block a step without preempting still serves them all.  Once they are
+        done, R is asked again: what the tiers kept of it serves it (its last
+        boundary's state, R being whole blocks).  Once an example: the
+        check's other histories keep their share of its steps."""
         self.built.add("turn-over")
         if self.busy():
             self.apply(Drain(1024))
@@ -71,10 +75,34 @@ class Turnover(MachineBase):
         while r_len > 2 * B and not self.fits(r_len, 1):  # beside Q (a window model's groups take more)
             r_len -= B
         r = fresh(r_len)
-        self.apply(Submit(self.new_id(), r, 1))
-        for _ in range(2):  # beyond what fits beside Q and R, on purpose
-            self.apply(Submit(self.new_id(), fresh(L - 1), 1))
+        longest = self.longest_alone()  # each alone within the pool (a --kv-blocks override may shrink it)
+        if longest < 2 * B:
+            return
+        s_, t_ = fresh(longest), fresh(longest)
+        rid, sid = self.new_id(), self.new_id()
+        self.apply(Submit(rid, r, 1))
+        # S beside R, beyond the budget beside Q, where R and S alone fit the pool together: while Q
+        # (which needs nothing more) holds its blocks, S waits for what R frees
+        if not self._pair_fits(r, s_):
+            self._until_done(rid)
+        self.apply(Submit(sid, s_, 1))
+        self._until_done(rid)
+        if not self._pair_fits(s_, t_):
+            self._until_done(sid)
+        self.apply(Submit(self.new_id(), t_, 1))
         self.apply(Drain(1024))
         if self.fits(r_len, 1):
             self.apply(Submit(self.new_id(), r, 1))
             self.apply(Drain(1024))
+
+    def _pair_fits(self, a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+        """Two one-token prompts fit the pool together, as :meth:`fits` counts blocks."""
+        groups = 1 + len(self.session.memory.windows)
+        return (blocks_for(len(a), 1, self.B) + blocks_for(len(b), 1, self.B)) * groups <= \
+            self.impl_config.num_kv_blocks
+
+    def _until_done(self, rid: str) -> None:
+        for _ in range(self.max_len + 2):
+            if self.stopped or self.session.tracks[rid].done:
+                return
+            self.apply(Step(2 * self.max_len))

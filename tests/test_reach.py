@@ -126,3 +126,14 @@ def test_the_turn_over_hands_a_finished_requests_blocks_to_the_next_step(machine
     m.finish_then_turn_over(0, 1)
     cov = m.session.coverage
     assert cov["finished_blocks_retaken"] >= 1, cov
+
+
+def test_a_rule_after_a_known_defect_ended_the_example_ends_quietly(machine):
+    """Once a known defect ended an example nothing more is applied, and the rule that tries ends there
+    (configured.ExampleStopped), rather than reading tracks of requests its Submits never made: the
+    KeyError that tier-races[connector=divergent] raised as a harness error at seed 0."""
+    m = machine("tier-races", ReferenceCache)
+    m.stopped = True
+    before = len(m.ops)
+    assert m.finish_then_turn_over(0, 0) is None
+    assert len(m.ops) == before

@@ -11,6 +11,7 @@ written.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,24 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
 from conformance.generate.spec import CheckSpec
+
+
+class ExampleStopped(Exception):
+    """Raised by a machine's ``apply`` once a known defect ended the example
+    (the session may be corrupt: nothing more is applied).  The rule it
+    interrupts ends there, quietly (:func:`bind`): what follows in it would
+    only read a session that did not apply its operations."""
+
+
+def _ends_when_stopped(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except ExampleStopped:
+            return None
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,6 @@ def bind(cls: type, conf: Conf, mixins: tuple[type, ...] = ()) -> type:
             if hasattr(fn, "_configured"):
                 pre, first, arguments = fn._configured
                 decorate = initialize if first else rule
-                bound = decorate(**{k: make(conf) for k, make in arguments.items()})(fn)
+                bound = decorate(**{k: make(conf) for k, make in arguments.items()})(_ends_when_stopped(fn))
                 attrs[name] = precondition(pre)(bound) if pre is not None else bound
     return type(f"{cls.__name__}[{conf.spec.id}]", (composite,), attrs)

@@ -18,7 +18,7 @@ from conformance.contract import ImplConfig
 from conformance.errors import Abandoned, ConformanceFailure, ImplementationError
 from conformance.generate import strategies
 from conformance.generate.budget import blocks_for, slots_for
-from conformance.generate.configured import Conf, configured_rule
+from conformance.generate.configured import Conf, ExampleStopped, configured_rule
 from conformance.generate.probe_sizing import pool_probe
 from conformance.generate.recorder import Recorder
 from conformance.generate.spec import CheckSpec, mixed
@@ -100,9 +100,10 @@ class MachineBase(RuleBasedStateMachine):
     def apply(self, op: Op) -> None:
         if self.stopped:
             # A known defect ended this example: the session may be corrupt (a
-            # step raised half-way), so the remaining rules touch nothing.  They
-            # still draw, so the example's choices stay what they were.
-            return
+            # step raised half-way), so nothing more is applied, and the rule
+            # that called ends here (configured.ExampleStopped).  The remaining
+            # rules still draw, so the example's choices stay what they were.
+            raise ExampleStopped
         note(repr(op))
         self.ops.append(op)
         self.recorder.steps += 1
@@ -110,7 +111,7 @@ class MachineBase(RuleBasedStateMachine):
             self.session.apply(op)
         except (ConformanceFailure, ImplementationError) as exc:
             if self._absorb_known(exc):
-                return
+                raise ExampleStopped from None
             self._found(exc)
             raise
         self.finished = [rid for rid, t in self.session.tracks.items() if t.done and t.generated > 0]
@@ -148,7 +149,10 @@ class MachineBase(RuleBasedStateMachine):
                     self._found(exc)
                     raise
                 if probe is not None:
-                    self.apply(probe)
+                    try:
+                        self.apply(probe)
+                    except ExampleStopped:  # the probe met a known defect (recorded)
+                        pass
         finally:
             if self.session is not None:
                 for k, v in self.session.coverage.items():

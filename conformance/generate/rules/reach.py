@@ -107,7 +107,7 @@ class Reach(MachineBase):
             self.apply(Submit(rid, prompt, 2))
             running.append(rid)
             room -= b
-        if not running or self.stopped:  # (stopped: a known defect ended the example, nothing was applied)
+        if not running:
             return
         tracks = self.session.tracks
         for _ in range(self.max_len + 2):
@@ -153,8 +153,6 @@ class Reach(MachineBase):
             return
         rid = self.new_id()
         self.apply(Submit(rid, prompt, max_new))
-        if self.stopped:
-            return
         track = tracks[rid]
         for _ in range(self.max_len):  # in decode, the last draft of the next verification on a block's start
             self.apply(Step(1024))
@@ -173,8 +171,6 @@ class Reach(MachineBase):
                 other = self.new_id()
                 self.apply(Submit(other, shared, 4))
         self.apply(Step(1024))
-        if self.stopped:
-            return
         ready = self.session.speculator.ready
         for _ in range(self.max_len):  # the new prompt's request in decode
             if other is None or ready(tracks[other]) or tracks[other].done:

@@ -138,7 +138,7 @@ class Speculative(MachineBase):
         # variants at seed 2: the rule drawn twice in 25 examples, its prompt scheduled whole once,
         # verify_beside_chunked_prefill 0).  Draws are unchanged where the first try reached it.
         tracks = self.session.tracks
-        if self.stopped or new is None or tracks[new].computed not in (None, tracks[new].prompt_len):
+        if new is None or tracks[new].computed not in (None, tracks[new].prompt_len):
             return
         if rid not in self._ready():
             return

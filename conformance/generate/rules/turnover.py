@@ -67,10 +67,10 @@ class Turnover(MachineBase):
         self.apply(Submit(q, fresh(q_len), 3))
         tracks = self.session.tracks
         for _ in range(L + 2):  # Q's prefill (a cache may run it a block a step)
-            if self.stopped or tracks[q].done or (tracks[q].computed or 0) >= q_len:
+            if tracks[q].done or (tracks[q].computed or 0) >= q_len:
                 break
             self.apply(Step(2 * L))
-        if self.stopped or tracks[q].done:  # (stopped: a known defect ended the example, nothing was applied)
+        if tracks[q].done:
             return
         while r_len > 2 * B and not self.fits(r_len, 1):  # beside Q (a window model's groups take more)
             r_len -= B
@@ -103,6 +103,6 @@ class Turnover(MachineBase):
 
     def _until_done(self, rid: str) -> None:
         for _ in range(self.max_len + 2):
-            if self.stopped or self.session.tracks[rid].done:
+            if self.session.tracks[rid].done:
                 return
             self.apply(Step(2 * self.max_len))

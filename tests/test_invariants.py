@@ -81,3 +81,28 @@ def test_a_host_entry_found_right_is_not_judged_again_until_the_store_replaces_i
     assert check_host_view(view, store, 4, judged) == [] and set(judged) == {"state"}
     store.put("state", HostEntry(Payload("state", {}, {"conv": (9,), "ssm": (9,)}), "c"))  # another offload
     assert check_host_view(view, store, 4, judged)
+
+
+def test_a_tier_that_lists_nothing_is_noted_not_passed_silently(model, oracle):
+    """A tier that offloads but lists no host entries reads as reduced assurance in the result's notes."""
+    from drive import session_of
+
+    from conformance.adapters.reference import ReferenceCache
+    from conformance.contract import ImplConfig
+    from conformance.harness.ops import Drain, Submit
+    from conformance.judge.invariants import NO_HOST_LISTING
+
+    class Silent(ReferenceCache):
+        def view(self):
+            from dataclasses import replace
+
+            return replace(super().view(), host_cached=())
+
+    for factory, noted in ((ReferenceCache, False), (Silent, True)):
+        s = session_of(factory(ImplConfig(num_kv_blocks=6, num_state_slots=4, options={"host_tier": True})),
+                       model, oracle)
+        for j in range(4):
+            s.apply(Submit(f"r{j}", tuple((7 * i + 5 * j) % 60 + 1 for i in range(12)), 1))
+            s.apply(Drain(64))
+        assert s.runner.transport.succeeded["offload"] > 0
+        assert (NO_HOST_LISTING in s.notes) is noted
